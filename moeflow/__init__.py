@@ -1,0 +1,48 @@
+"""moeflow: exact, fast Mixture-of-Experts layers for LLM inference.
+
+Public API (imported lazily so that `import moeflow` stays light and works
+without Triton or transformers loaded):
+
+    RouterSpec, RoutingResult, route, router_logits, predict_next, router_spec_from_hf
+    MoEConfig, MoELayer, patch_model, PatchReport
+    OffloadConfig
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+# name -> module that defines it. One place, so a rename is one line.
+_EXPORTS: dict[str, str] = {
+    "RouterSpec": "moeflow.routing.spec",
+    "RoutingResult": "moeflow.types",
+    "route": "moeflow.routing.select",
+    "router_logits": "moeflow.routing.logits",
+    "predict_next": "moeflow.routing.predict",
+    "router_spec_from_hf": "moeflow.routing.families",
+    "SUPPORTED_FAMILIES": "moeflow.routing.families",
+    "MoEConfig": "moeflow.config",
+    "ExpertWeights": "moeflow.config",
+    "MoELayer": "moeflow.layer",
+    "patch_model": "moeflow.hf",
+    "PatchReport": "moeflow.hf",
+    "OffloadConfig": "moeflow.offload.config",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moeflow' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

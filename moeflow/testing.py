@@ -1,0 +1,73 @@
+"""Test helpers shared by moeflow's tests and benchmarks (never imported by library code).
+
+`assert_close` reports max-abs and RMS error on failure; `assert_bitwise_equal`
+compares bit patterns, so -0.0 vs 0.0 and NaN payloads count as different.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def error_stats(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float, float]:
+    """(max_abs, rms, max_rel) of actual - expected, computed in float64."""
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    d = (a - e).abs()
+    if d.numel() == 0:
+        return 0.0, 0.0, 0.0
+    max_abs = float(d.max())
+    rms = float(d.pow(2).mean().sqrt())
+    max_rel = float((d / e.abs().clamp_min(1e-30)).max())
+    return max_abs, rms, max_rel
+
+
+def assert_close(
+    actual: torch.Tensor, expected: torch.Tensor, *, rtol: float, atol: float, what: str = "tensor"
+) -> None:
+    """Elementwise |a - e| <= atol + rtol * |e|; on failure print max-abs and RMS error."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().to(torch.float64)
+    e = expected.detach().to(torch.float64)
+    if torch.isnan(a).any() or torch.isnan(e).any():
+        same_nan = torch.equal(torch.isnan(a), torch.isnan(e))
+        if not same_nan:
+            raise AssertionError(f"{what}: NaN pattern differs ({int(torch.isnan(a).sum())} vs {int(torch.isnan(e).sum())})")
+        keep = ~torch.isnan(e)
+        a, e = a[keep], e[keep]
+    bad = (a - e).abs() > atol + rtol * e.abs()
+    if bad.any():
+        max_abs, rms, max_rel = error_stats(a, e)
+        first = tuple(int(i) for i in bad.nonzero()[0])
+        raise AssertionError(
+            f"{what}: {int(bad.sum())}/{bad.numel()} elements outside rtol={rtol} atol={atol}; "
+            f"max_abs={max_abs:.3e} rms={rms:.3e} max_rel={max_rel:.3e}; first bad index {first}"
+        )
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: str = "tensor") -> None:
+    """Bit-for-bit equality (same dtype, shape and bits)."""
+    if actual.dtype != expected.dtype or actual.shape != expected.shape:
+        raise AssertionError(
+            f"{what}: dtype/shape {actual.dtype}{tuple(actual.shape)} != {expected.dtype}{tuple(expected.shape)}"
+        )
+    if actual.dtype.is_floating_point:
+        int_dtype = {2: torch.int16, 4: torch.int32, 8: torch.int64}[actual.element_size()]
+        a = actual.detach().contiguous().view(int_dtype)
+        e = expected.detach().contiguous().view(int_dtype)
+    else:
+        a, e = actual, expected
+    if not torch.equal(a.cpu(), e.cpu()):
+        diff = (a != e).nonzero()
+        first = tuple(int(i) for i in diff[0])
+        max_abs, rms, _ = error_stats(actual, expected)
+        raise AssertionError(
+            f"{what}: {diff.shape[0]} elements differ bitwise; first at {first}; max_abs={max_abs:.3e} rms={rms:.3e}"
+        )
+
+
+def poisoned_like(t: torch.Tensor, pad_rows: int) -> torch.Tensor:
+    """A copy of `t` [R, ...] followed by `pad_rows` NaN rows: padding a kernel must never read."""
+    pad = torch.full((pad_rows, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)
+    return torch.cat([t, pad], dim=0)
