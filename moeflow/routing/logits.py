@@ -42,13 +42,16 @@ def router_logits_reference(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torc
     T, H = x_TH.shape
     E = weight_EH.shape[0]
     w_EH = weight_EH.to(torch.float32)
-    out_TE = torch.empty(T, E, dtype=torch.float32, device=x_TH.device)
     rows = max(1, _CHUNK_ELEMS // max(1, E * H))
-    for start in range(0, T, rows):
-        x_CH = x_TH[start : start + rows].to(torch.float32)
-        # [C, 1, H] * [1, E, H] -> [C, E, H]: exact products, then a per-row sum over H.
-        torch.sum(x_CH.unsqueeze(1) * w_EH.unsqueeze(0), dim=-1, out=out_TE[start : start + rows])
-    return out_TE
+    # [C, 1, H] * [1, E, H] -> [C, E, H]: exact products, then a per-row sum over H.
+    # (No `out=`: it would refuse inputs that require grad.)
+    chunks = [
+        (x_TH[start : start + rows].to(torch.float32).unsqueeze(1) * w_EH.unsqueeze(0)).sum(dim=-1)
+        for start in range(0, T, rows)
+    ]
+    if not chunks:
+        return torch.empty(0, E, dtype=torch.float32, device=x_TH.device)
+    return chunks[0] if len(chunks) == 1 else torch.cat(chunks, dim=0)
 
 
 def router_logits(x_TH: torch.Tensor, weight_EH: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,142 @@
+"""Shared benchmark plumbing: roofs measured in the same run, CUDA-event timing, environment, JSON.
+
+Every benchmark reports ratios taken in one process (shared/spec/benchmarks.md):
+roof_frac = floor / our time, vs_peer = peer time / our time.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+STANDARD_SHAPES: dict[str, dict[str, int]] = {
+    # name: H, I (per expert), E, K, shared (count of shared experts of width I)
+    "mixtral-8x7b": {"H": 4096, "I": 14336, "E": 8, "K": 2, "shared": 0},
+    "qwen3-30b-a3b": {"H": 2048, "I": 768, "E": 128, "K": 8, "shared": 0},
+    "deepseek-v3": {"H": 7168, "I": 2048, "E": 256, "K": 8, "shared": 1},
+    "gpt-oss-120b": {"H": 2880, "I": 2880, "E": 128, "K": 4, "shared": 0},
+    "ds-v4.1-like": {"H": 4096, "I": 2048, "E": 384, "K": 6, "shared": 1},
+}
+STANDARD_TOKENS = (1, 2, 4, 8, 16, 32, 64, 128, 512, 2048, 8192)
+
+
+def env_info() -> dict[str, str]:
+    """Date, device and library versions for RESULTS.md."""
+    info = {
+        "date": _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "device": torch.cuda.get_device_name() if torch.cuda.is_available() else platform.processor() or "cpu",
+    }
+    for mod in ("triton", "transformers"):
+        try:
+            info[mod] = __import__(mod).__version__
+        except ImportError:
+            info[mod] = "not installed"
+    return info
+
+
+def time_cpu(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3) -> float:
+    """Median wall seconds of fn() on the CPU."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+_FLUSH: dict[str, torch.Tensor] = {}
+
+
+def flush_l2() -> None:
+    """Write 256 MB so the next kernel reads its weights from HBM, not L2."""
+    buf = _FLUSH.get("buf")
+    if buf is None:
+        buf = _FLUSH["buf"] = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
+    buf.zero_()
+
+
+def time_cuda(fn: Callable[[], object], *, reps: int = 20, warmup: int = 5, flush: bool = True) -> float:
+    """Median seconds of fn() by CUDA events, L2 flushed before each timed call when `flush`."""
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        if flush:
+            flush_l2()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def time_cuda_graph(fn: Callable[[], object], *, reps: int = 20, flush: bool = True) -> float:
+    """Median seconds of one replay of a CUDA graph holding fn() (captured after a warm-up on a side stream)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return time_cuda(g.replay, reps=reps, warmup=3, flush=flush)
+
+
+def hbm_roof_bytes_per_s() -> float:
+    """Device-to-device copy of 2 GiB: (bytes read + written) / time."""
+    n = 1 << 29  # f32 elements: 2 GiB
+    a = torch.empty(n, dtype=torch.float32, device="cuda")
+    b = torch.empty_like(a)
+    t = time_cuda(lambda: b.copy_(a), reps=10, warmup=2, flush=False)
+    del a, b
+    return 2 * n * 4 / t
+
+
+def compute_roof_flops() -> float:
+    """bf16 8192^3 torch.mm FLOP / time."""
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    b = torch.randn(n, n, dtype=torch.bfloat16, device="cuda")
+    t = time_cuda(lambda: torch.mm(a, b), reps=10, warmup=3, flush=False)
+    return 2 * n**3 / t
+
+
+def pcie_roof_bytes_per_s() -> float:
+    """Pinned host -> device copy of 1 GiB: bytes / time."""
+    n = 1 << 28
+    h = torch.empty(n, dtype=torch.float32, pin_memory=True)
+    d = torch.empty(n, dtype=torch.float32, device="cuda")
+    t = time_cuda(lambda: d.copy_(h, non_blocking=True), reps=5, warmup=1, flush=False)
+    return n * 4 / t
+
+
+def write_json(path: str | Path, rows: list[dict], meta: dict | None = None) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps({"meta": meta or env_info(), "rows": rows}, indent=1))
+
+
+def format_table(rows: list[dict], columns: list[str]) -> str:
+    """A Markdown table of the given columns (floats to 4 significant digits)."""
+
+    def cell(v):
+        return f"{v:.4g}" if isinstance(v, float) else str(v)
+
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(cell(r.get(c, "")) for c in columns) + " |" for r in rows]
+    return "\n".join(lines)

@@ -1,0 +1,142 @@
+"""The `moeflow` command: demo, info, route, bench, trace.
+
+A user's mistake (a missing config.json, an unsupported family, a CUDA-only
+option on CPU) prints one line and what to do, and exits 2; `--debug` shows
+the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from collections.abc import Sequence
+
+
+class UserError(Exception):
+    """An error the user can fix: printed as one line plus a hint, exit code 2."""
+
+    def __init__(self, message: str, hint: str = "") -> None:
+        super().__init__(message)
+        self.hint = hint
+
+
+def _cmd_demo(args: argparse.Namespace) -> int:
+    if args.ep:
+        from .parallel.ep_demo import run_ep_demo
+
+        return int(run_ep_demo(expected_world=args.ep) or 0)
+    from .demo import run_demo
+
+    return int(run_demo(device=args.device, tokens=args.tokens) or 0)
+
+
+def _cmd_info(args: argparse.Namespace) -> int:
+    from .inspect import checkpoint_info, format_info
+
+    print(format_info(checkpoint_info(args.path, slots=args.slots)))
+    return 0
+
+
+def _cmd_route(args: argparse.Namespace) -> int:
+    from .inspect import route_prompt
+
+    print(route_prompt(args.path, args.prompt, max_tokens=args.max_tokens))
+    return 0
+
+
+_BENCH_MODULES = {
+    "experts": "benchmarks.bench_experts",
+    "routing": "benchmarks.bench_routing",
+    "ep": "benchmarks.bench_ep",
+    "offload": "benchmarks.bench_offload",
+}
+
+
+def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    name = _BENCH_MODULES[args.which]
+    try:
+        module = importlib.import_module(name)
+    except ModuleNotFoundError as exc:
+        raise UserError(
+            f"benchmark {args.which!r} needs the repository's benchmarks/ folder ({exc.name} not importable)",
+            "run it from a checkout of moeflow: cd moeflow && moeflow bench " + args.which,
+        ) from exc
+    argv = list(rest)
+    if args.plot:
+        argv.append("--plot")
+    return int(module.main(argv) or 0)
+
+
+def _cmd_trace(args: argparse.Namespace, rest: list[str]) -> int:
+    from .offload import trace
+
+    return int(trace.main([args.action, *rest]) or 0)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="moeflow", description="Exact, fast Mixture-of-Experts layers for LLM inference.")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="run a tiny MoE model end to end and check it against transformers")
+    d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
+    d.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
+    d.add_argument("--ep", type=int, default=0, help="expert parallel over N ranks (launch with torchrun)")
+    d.set_defaults(func=_cmd_demo)
+
+    i = sub.add_parser("info", help="describe a checkpoint directory (config.json + safetensors), no weights loaded")
+    i.add_argument("path")
+    i.add_argument("--slots", type=int, default=None, help="size an offload cache of this many expert slots")
+    i.set_defaults(func=_cmd_info)
+
+    r = sub.add_parser("route", help="run a checkpoint on a prompt and show which experts each token chose")
+    r.add_argument("path")
+    r.add_argument("--prompt", required=True)
+    r.add_argument("--max-tokens", type=int, default=32)
+    r.set_defaults(func=_cmd_route)
+
+    b = sub.add_parser("bench", help="run a benchmark script (table + JSON); extra args go to the script")
+    b.add_argument("which", choices=sorted(_BENCH_MODULES))
+    b.add_argument("--plot", action="store_true", help="also write PNG plots")
+    b.set_defaults(func=_cmd_bench, takes_rest=True)
+
+    t = sub.add_parser("trace", help="record, replay or plot routing traces; extra args go to the action")
+    t.add_argument("action", choices=["record", "replay", "plot"])
+    t.set_defaults(func=_cmd_trace, takes_rest=True)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = build_parser()
+    args, rest = parser.parse_known_args(argv)
+    if rest and not getattr(args, "takes_rest", False):
+        parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    try:
+        if getattr(args, "takes_rest", False):
+            return args.func(args, rest)
+        return args.func(args)
+    except (UserError, ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
+        if args.debug:
+            raise
+        hint = getattr(exc, "hint", "") or _hint_for(exc)
+        print(f"moeflow {args.command}: error: {exc}", file=sys.stderr)
+        if hint:
+            print(f"  hint: {hint}", file=sys.stderr)
+        return 2
+
+
+def _hint_for(exc: BaseException) -> str:
+    text = str(exc)
+    if "config.json" in text:
+        return "point PATH at a Hugging Face checkpoint directory (it holds config.json and *.safetensors)"
+    if "not a supported MoE family" in text:
+        return "moeflow handles the MoE families listed above; dense models need no moeflow"
+    if "CUDA" in text or "cuda" in text:
+        return "this option needs a GPU; drop it or run on a machine with CUDA"
+    return "run with --debug for the traceback"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,103 @@
+"""The experts-implementation interface and the helpers its implementations share.
+
+Legend: N (token, slot) rows, H hidden size, I intermediate size per expert,
+E experts held by the ExpertWeights at hand (a subset under expert parallelism).
+
+An implementation is an object with:
+    name: str
+    supports(config) -> (ok: bool, reason: str)
+    forward_pairs(x_NH, expert_N, w, config) -> y_NH
+        N rows, row n run through expert expert_N[n] (0 <= id < w.num_experts),
+        unweighted, output rows in input order. Each expert sees its rows in the order
+        they come, so the same rows in the same order give the same bits wherever
+        they come from (what makes expert parallelism bit-identical).
+and optionally
+    device_types: tuple[str, ...]   device types it runs on (absent: any)
+    forward_tokens(x_TH, ids_TK, weights_TK, w, config) -> out_TH
+        a fused dispatch + experts + combine (no zero experts, no shared expert);
+        it must honour config.router.weight_on_input.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+
+from ..config import ExpertWeights, MoEConfig
+
+
+@runtime_checkable
+class ExpertsImpl(Protocol):
+    name: str
+
+    def supports(self, config: MoEConfig) -> tuple[bool, str]: ...
+
+    def forward_pairs(
+        self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights, config: MoEConfig
+    ) -> torch.Tensor: ...
+
+
+def check_pairs(x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights, config: MoEConfig) -> None:
+    """Raise TypeError/ValueError naming the argument `forward_pairs` refuses.
+
+    The id range is checked on the host only for CPU tensors: on CUDA it would cost
+    a device sync per call, and dispatch produces in-range ids by construction.
+    """
+    if not isinstance(w, ExpertWeights):
+        raise TypeError(f"w: expected ExpertWeights, got {type(w).__name__}")
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
+    w.check_config(config)
+    if not isinstance(x_NH, torch.Tensor) or not isinstance(expert_N, torch.Tensor):
+        raise TypeError("x_NH/expert_N: expected torch.Tensors")
+    if x_NH.dim() != 2 or x_NH.shape[1] != w.hidden_size:
+        raise ValueError(f"x_NH: shape {tuple(x_NH.shape)}, expected (N, H={w.hidden_size})")
+    if x_NH.dtype != w.dtype:
+        raise TypeError(f"x_NH: dtype {x_NH.dtype}, expected the experts' dtype {w.dtype}")
+    if x_NH.device != w.device:
+        raise ValueError(f"x_NH: on {x_NH.device}, expected the experts' device {w.device}")
+    if expert_N.dim() != 1 or expert_N.shape[0] != x_NH.shape[0]:
+        raise ValueError(f"expert_N: shape {tuple(expert_N.shape)}, expected ({x_NH.shape[0]},) (one id per row)")
+    if expert_N.dtype.is_floating_point or expert_N.dtype == torch.bool:
+        raise TypeError(f"expert_N: dtype {expert_N.dtype}, expected an integer dtype")
+    if expert_N.device != x_NH.device:
+        raise ValueError(f"expert_N: on {expert_N.device}, expected x_NH's device {x_NH.device}")
+    if expert_N.device.type == "cpu" and expert_N.numel():
+        lo, hi = int(expert_N.min()), int(expert_N.max())
+        if lo < 0 or hi >= w.num_experts:
+            bad = lo if lo < 0 else hi
+            raise ValueError(f"expert_N: id {bad} outside [0, {w.num_experts}) (zero experts are never sent here)")
+
+
+def gate_up_one(x_MH: torch.Tensor, w: ExpertWeights, e: int, *, bias: bool = True) -> torch.Tensor:
+    """[M, 2I] = x @ gate_up[e] (layout-aware) + gate_up_bias[e] (when `bias`); expert e's first projection."""
+    if w.layout == "linear":
+        y = F.linear(x_MH, w.gate_up[e])
+    else:
+        y = x_MH @ w.gate_up[e]
+    if bias and w.gate_up_bias is not None:
+        y = y + w.gate_up_bias[e]
+    return y
+
+
+def down_one(act_MI: torch.Tensor, w: ExpertWeights, e: int, *, bias: bool = True) -> torch.Tensor:
+    """[M, H] = act @ down[e] (layout-aware) + down_bias[e] (when `bias`); expert e's second projection."""
+    if w.layout == "linear":
+        y = F.linear(act_MI, w.down[e])
+    else:
+        y = act_MI @ w.down[e]
+    if bias and w.down_bias is not None:
+        y = y + w.down_bias[e]
+    return y
+
+
+def gate_up_as_KN(w: ExpertWeights) -> torch.Tensor:
+    """gate_up as [E, H, 2I] (a view: transposed for layout "linear"), the (in, out) form of matmul."""
+    return w.gate_up.transpose(1, 2) if w.layout == "linear" else w.gate_up
+
+
+def down_as_KN(w: ExpertWeights) -> torch.Tensor:
+    """down as [E, I, H] (a view: transposed for layout "linear")."""
+    return w.down.transpose(1, 2) if w.layout == "linear" else w.down

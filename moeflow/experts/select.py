@@ -1,0 +1,136 @@
+"""Choosing an experts implementation: a pure function of (config, device, T, requested).
+
+Legend: T tokens in the call, K picks per token, H hidden, I intermediate size.
+
+Registered names:
+    "reference"  ReferenceExperts: loop over experts (the oracle).
+    "grouped"    GroupedExperts: grouped GEMM over rows sorted by expert; for small T
+                 (T * K <= BMM_MAX_PAIRS and the gathered weights small) the per-row
+                 bmm path.
+    "triton"     `moeflow.experts.triton` when it imports (Triton installed): the
+                 module's `TritonExperts` class (or an `IMPL` instance). Imported lazily;
+                 an ImportError leaves it unregistered.
+
+"auto": "triton" on CUDA when it is available and its `supports(config)` accepts,
+else "grouped". A requested name that is unknown, refused by `supports(config)`, or
+not built for the device raises ValueError carrying the reason.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from ..config import MoEConfig
+from .grouped import GroupedExperts
+from .reference import ReferenceExperts
+
+# The per-row bmm path copies one expert's weights per row, so it is only worth it
+# for a few rows (decode); a starting point, to be replaced by measured tuning data.
+BMM_MAX_PAIRS = 16
+# Upper bound on the bytes of weights the bmm path gathers (counted at 4 bytes an
+# element: select has no dtype): beyond it the grouped GEMM runs whatever T is.
+BMM_MAX_GATHER_BYTES = 64 << 20
+
+_REFERENCE = ReferenceExperts()
+_GROUPED = GroupedExperts(path="grouped_mm")
+_GROUPED_BMM = GroupedExperts(path="bmm")
+
+
+@functools.lru_cache(maxsize=1)
+def _triton_impl():
+    """The Triton experts impl, or None when moeflow.experts.triton (or Triton) does not import."""
+    try:
+        mod = importlib.import_module("moeflow.experts.triton")
+    except ImportError:
+        return None
+    impl = getattr(mod, "IMPL", None)
+    if impl is None:
+        cls = getattr(mod, "TritonExperts", None)
+        impl = cls() if cls is not None else None
+    return impl
+
+
+def available_impls() -> tuple[str, ...]:
+    """Names get_impl accepts in this environment."""
+    names = ("reference", "grouped")
+    return names + (("triton",) if _triton_impl() is not None else ())
+
+
+def get_impl(name: str):
+    """The implementation registered under `name` ("reference", "grouped", "triton").
+
+    "grouped" is its grouped-GEMM path; `select_experts_impl` also picks its bmm path.
+    """
+    if name == "reference":
+        return _REFERENCE
+    if name == "grouped":
+        return _GROUPED
+    if name == "triton":
+        impl = _triton_impl()
+        if impl is None:
+            raise ValueError(
+                "experts impl 'triton': unavailable (moeflow.experts.triton or the triton package does not import)"
+            )
+        return impl
+    raise ValueError(f"experts impl {name!r}: unknown, expected one of {available_impls()} or 'auto'")
+
+
+def _device_ok(impl, device: torch.device) -> tuple[bool, str]:
+    # A Triton impl that does not declare its device types is taken to be CUDA-only.
+    default = ("cuda",) if getattr(impl, "name", "") == "triton" else None
+    types = getattr(impl, "device_types", default)
+    if types is None or device.type in types:
+        return True, ""
+    return False, f"runs on device types {tuple(types)}, not {device.type!r}"
+
+
+def _grouped_for(config: MoEConfig, T: int) -> GroupedExperts:
+    pairs = T * config.top_k
+    gather_bytes = pairs * 3 * config.intermediate_size * config.hidden_size * 4
+    if pairs <= BMM_MAX_PAIRS and gather_bytes <= BMM_MAX_GATHER_BYTES:
+        return _GROUPED_BMM
+    return _GROUPED
+
+
+def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, requested: str = "auto"):
+    """The experts implementation to run `config` on `device` for a call of T tokens.
+
+    Pure: the same arguments give the same object (no state is read or written
+    besides the one-time lazy import of the Triton module).
+
+    Args:
+        config: the layer's MoEConfig.
+        device: where the experts' tensors live.
+        T: tokens in the call (>= 0); picks the grouped impl's bmm path for small T.
+        requested: "auto" or a registered name.
+
+    Raises:
+        ValueError: unknown name, or the named impl refuses the config or device
+            (the message carries its reason).
+    """
+    if not isinstance(config, MoEConfig):
+        raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
+    if isinstance(T, bool) or not isinstance(T, int) or T < 0:
+        raise ValueError(f"T={T!r}: expected an int >= 0")
+    if not isinstance(requested, str):
+        raise TypeError(f"requested: expected a str, got {type(requested).__name__}")
+    device = torch.device(device)
+    if requested == "auto":
+        if device.type == "cuda":
+            impl = _triton_impl()
+            if impl is not None and impl.supports(config)[0] and _device_ok(impl, device)[0]:
+                return impl
+        return _grouped_for(config, T)
+    impl = get_impl(requested)
+    ok, reason = impl.supports(config)
+    if not ok:
+        raise ValueError(f"experts impl {requested!r} refuses this config: {reason}")
+    ok, reason = _device_ok(impl, device)
+    if not ok:
+        raise ValueError(f"experts impl {requested!r} refuses device {device}: {reason}")
+    if requested == "grouped":
+        return _grouped_for(config, T)
+    return impl

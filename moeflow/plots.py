@@ -1,0 +1,87 @@
+"""PNG plots (matplotlib, imported lazily: it is a dev extra).
+
+- `plot_expert_load(load_LE, path)`: heatmap, layer x expert token counts.
+- `plot_hit_rate(series, path)`: cache hit rate over decode steps, one line per policy.
+- `plot_roof_frac(rows, path)`: roof_frac against T per shape/implementation.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+
+
+def _pyplot():
+    try:
+        import matplotlib
+    except ImportError as exc:
+        raise ValueError("plots need matplotlib: pip install 'moeflow[dev]' (or pip install matplotlib)") from exc
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_expert_load(load_LE: Sequence[Sequence[float]], path: str | Path, *, title: str = "expert load") -> Path:
+    """Heatmap of tokens per (layer, expert). load_LE: L rows of E counts."""
+    plt = _pyplot()
+    rows = [list(map(float, r)) for r in load_LE]
+    if not rows or not rows[0]:
+        raise ValueError("load_LE: empty, expected L >= 1 rows of E >= 1 counts")
+    fig, ax = plt.subplots(figsize=(max(4, len(rows[0]) * 0.3 + 2), max(2.5, len(rows) * 0.35 + 1.5)))
+    im = ax.imshow(rows, aspect="auto", cmap="viridis", interpolation="nearest")
+    ax.set_xlabel("expert")
+    ax.set_ylabel("layer")
+    ax.set_title(title)
+    fig.colorbar(im, ax=ax, label="tokens")
+    return _save(fig, plt, path)
+
+
+def plot_hit_rate(series: Mapping[str, Sequence[float]], path: str | Path, *, window: int = 16) -> Path:
+    """Cache hit rate over decode steps per policy (a moving average over `window` steps)."""
+    plt = _pyplot()
+    if not series:
+        raise ValueError("series: empty, expected {policy: [hit rate per step]}")
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    for name, values in series.items():
+        v = [float(x) for x in values]
+        smooth = [sum(v[max(0, i - window + 1) : i + 1]) / len(v[max(0, i - window + 1) : i + 1]) for i in range(len(v))]
+        ax.plot(range(len(v)), smooth, label=name)
+    ax.set_xlabel("decode step")
+    ax.set_ylabel(f"hit rate (moving avg {window})")
+    ax.set_ylim(0, 1.02)
+    ax.legend()
+    ax.grid(alpha=0.3)
+    return _save(fig, plt, path)
+
+
+def plot_roof_frac(rows: Sequence[Mapping], path: str | Path, *, key: str = "impl") -> Path:
+    """roof_frac against T (log x), one line per (shape, rows[key]). rows need shape, T, roof_frac."""
+    plt = _pyplot()
+    lines: dict[tuple, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r.get("roof_frac") is None:
+            continue
+        lines.setdefault((r.get("shape", ""), r.get(key, "")), []).append((float(r["T"]), float(r["roof_frac"])))
+    if not lines:
+        raise ValueError("rows: no row with T and roof_frac to plot")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for (shape, impl), pts in sorted(lines.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{shape} {impl}".strip())
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("tokens T")
+    ax.set_ylabel("roof_frac (floor / time)")
+    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    ax.legend(fontsize=7)
+    ax.grid(alpha=0.3)
+    return _save(fig, plt, path)
+
+
+def _save(fig, plt, path: str | Path) -> Path:
+    p = Path(path)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    fig.tight_layout()
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    return p

@@ -1,0 +1,20 @@
+"""The code passes `ruff check` with the project's configuration (pyproject.toml)."""
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_ruff_check_passes():
+    ruff = shutil.which("ruff")
+    cmd = [ruff] if ruff else [sys.executable, "-m", "ruff"]
+    try:
+        proc = subprocess.run([*cmd, "check", "moeflow", "tests", "benchmarks"], cwd=ROOT, capture_output=True, text=True)
+    except FileNotFoundError:
+        pytest.fail("ruff is not installed: pip install -e '.[dev]'")
+    assert proc.returncode == 0, f"ruff check failed:\n{proc.stdout}\n{proc.stderr}"

@@ -1,0 +1,37 @@
+"""Plots are real PNGs of a sensible size and not blank."""
+
+import pytest
+
+from moeflow import plots
+
+PIL = pytest.importorskip("PIL.Image", reason="matplotlib brings Pillow; installed with the dev extra")
+
+
+def _check_png(path):
+    img = PIL.open(path).convert("RGB")
+    w, h = img.size
+    assert w >= 300 and h >= 200, (w, h)
+    colors = img.getcolors(maxcolors=1 << 20)
+    assert colors is not None and len(colors) > 20, "image looks blank"
+
+
+def test_expert_load_heatmap(tmp_path):
+    load = [[(l * 7 + e * 3) % 11 for e in range(16)] for l in range(4)]
+    _check_png(plots.plot_expert_load(load, tmp_path / "load.png"))
+
+
+def test_hit_rate_plot(tmp_path):
+    series = {"lru": [0.5 + 0.3 * ((i % 7) / 7) for i in range(100)], "predictive": [0.8] * 100}
+    _check_png(plots.plot_hit_rate(series, tmp_path / "hit.png"))
+
+
+def test_roof_frac_plot(tmp_path):
+    rows = [{"shape": "mixtral", "impl": "triton", "T": t, "roof_frac": 0.5 + 0.01 * t} for t in (1, 2, 4, 8, 16)]
+    _check_png(plots.plot_roof_frac(rows, tmp_path / "roof.png"))
+
+
+def test_empty_inputs_are_refused(tmp_path):
+    with pytest.raises(ValueError, match="load_LE"):
+        plots.plot_expert_load([], tmp_path / "x.png")
+    with pytest.raises(ValueError, match="series"):
+        plots.plot_hit_rate({}, tmp_path / "x.png")
