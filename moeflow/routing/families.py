@@ -178,7 +178,10 @@ def family_of(config: Any) -> str:
     """The HF model_type, unwrapping kimi_k25 (a DeepSeek-V3 text model inside)."""
     model_type = getattr(config, "model_type", None)
     if model_type == "kimi_k25":
-        return family_of(_text_config(config))
+        text = _text_config(config)
+        if text is config:
+            raise ValueError("config.text_config=None: a kimi_k25 config wraps its MoE text model in text_config")
+        return family_of(text)
     if model_type not in _FAMILIES:
         raise ValueError(
             f"config.model_type={model_type!r} is not a supported MoE family; supported: {', '.join(SUPPORTED_FAMILIES)}"
@@ -194,6 +197,11 @@ def router_spec_from_hf(config: Any, layer_idx: int = 0) -> RouterSpec:
     family = family_of(config)
     if family == "kimi_k2" or getattr(config, "model_type", None) == "kimi_k25":
         config = _text_config(config)
-    if not isinstance(layer_idx, int) or layer_idx < 0:
+    if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
         raise ValueError(f"layer_idx={layer_idx!r}: expected an int >= 0")
+    n_layers = getattr(_text_config(config), "num_hidden_layers", None)
+    if isinstance(n_layers, int) and not isinstance(n_layers, bool) and layer_idx >= n_layers:
+        # Past the last layer a per-layer rule (DeepSeek-V4's hash layers) would silently
+        # fall back to its default.
+        raise ValueError(f"layer_idx={layer_idx}: expected < config.num_hidden_layers={n_layers} ({family})")
     return _FAMILIES[family](config, layer_idx)

@@ -36,7 +36,8 @@ def predict_next_ids(
     Zero experts (ids >= E) are never predicted: they hold no weights to fetch.
     Group limits apply while W fits in the kept groups; a wider W ranks on the
     plain key (the extra picks are the next-best experts overall).
-    A hash layer's prediction is its table lookup (exact) when input_ids are given.
+    A hash layer's prediction is its table lookup (exact) when input_ids are given;
+    a width above K appends the next-best experts by score after the table's K.
     """
     E = next_spec.num_experts
     W = next_spec.top_k if width is None else width
@@ -54,9 +55,17 @@ def predict_next_ids(
         hash_table=hash_table,
         check_nan=not x_TH.is_cuda,
     )
-    if next_spec.hash_routing and input_ids is not None and W <= next_spec.top_k:
-        return hash_table[input_ids.reshape(-1).long()][:, :W].to(torch.int32)
     key_TS = selection_key_TS(scores_TS(logits_TS, next_spec), next_spec, None if bias is None else bias.float())
+    if next_spec.hash_routing and input_ids is not None:
+        table_TK = hash_table[input_ids.reshape(-1).long()].long()
+        if W <= next_spec.top_k:
+            return table_TK[:, :W].to(torch.int32)
+        # Wider than the table: its K picks (exact) first, then the best other experts by
+        # score, so the width-W prediction extends the width-K one.
+        key_TS = key_TS.scatter(1, table_TK, float("-inf"))
+        key_TS[:, E:] = float("-inf")
+        extra_TW = stable_topk_indices(key_TS, W - next_spec.top_k)
+        return torch.cat([table_TK, extra_TW], dim=1).to(torch.int32)
     per_group = next_spec.num_slots // next_spec.n_group
     if next_spec.n_group > 1 and W <= next_spec.topk_group * per_group:
         key_TS = group_mask_TS(key_TS, next_spec)

@@ -18,7 +18,7 @@ import torch
 
 from ..types import RoutingResult
 from .grouped import group_mask_TS
-from .scores import scores_TS, selection_key_TS
+from .scores import scores_TS, selection_key_TS, sigmoid, softmax_rows
 from .spec import RouterSpec
 from .topk import stable_topk_indices
 
@@ -32,6 +32,10 @@ def _check_vector(name: str, t: torch.Tensor | None, length: int, spec: RouterSp
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected ({length},) for {spec.num_slots} logit columns")
     if not t.dtype.is_floating_point:
         raise TypeError(f"{name}: dtype {t.dtype}, expected a floating dtype")
+    if not t.is_cuda and t.numel() and bool(torch.isnan(t).any()):
+        # A NaN here would rank (or weigh) experts as silently as a NaN logit.
+        e = int(torch.isnan(t).nonzero()[0, 0])
+        raise ValueError(f"{name}: NaN at expert {e}")
 
 
 def validate_route_inputs(
@@ -78,6 +82,9 @@ def validate_route_inputs(
                 f"hash_table/input_ids: spec.hash_routing=True needs both, got "
                 f"hash_table={'None' if hash_table is None else 'tensor'}, input_ids={'None' if input_ids is None else 'tensor'}"
             )
+        for n, t in (("hash_table", hash_table), ("input_ids", input_ids)):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{n}: expected a torch.Tensor, got {type(t).__name__}")
         if hash_table.dim() != 2 or hash_table.shape[1] != spec.top_k:
             raise ValueError(f"hash_table: shape {tuple(hash_table.shape)}, expected (vocab, K={spec.top_k})")
         if hash_table.dtype.is_floating_point or hash_table.dtype == torch.bool:
@@ -125,16 +132,24 @@ def route_reference(
         ids_TK = stable_topk_indices(key, K)
     picked_TK = scores.gather(1, ids_TK)
     if spec.score_fn == "topk_softmax":
-        weights_TK = torch.softmax(picked_TK, dim=-1)
+        weights_TK = softmax_rows(picked_TK)
     elif spec.score_fn == "topk_sigmoid":
-        weights_TK = torch.sigmoid(picked_TK)
+        weights_TK = sigmoid(picked_TK)
     else:
         weights_TK = picked_TK
     if spec.renorm:
         denom_T1 = weights_TK.sum(dim=-1, keepdim=True)
         if spec.renorm_eps:
             denom_T1 = denom_T1 + spec.renorm_eps
-        weights_TK = weights_TK / denom_T1
+        renormed_TK = weights_TK / denom_T1
+        # An infinite pick (sqrtsoftplus of a +inf logit) makes IEEE's inf / inf a NaN:
+        # take the limit instead, the infinite picks sharing the weight equally.
+        inf_TK = torch.isinf(weights_TK)
+        if weights_TK.is_cuda or bool(inf_TK.any()):
+            inf_f_TK = inf_TK.to(weights_TK.dtype)
+            limit_TK = inf_f_TK / inf_f_TK.sum(dim=-1, keepdim=True).clamp_min(1.0)
+            renormed_TK = torch.where(inf_TK.any(dim=-1, keepdim=True), limit_TK, renormed_TK)
+        weights_TK = renormed_TK
     if expert_scale is not None:
         weights_TK = weights_TK * expert_scale.float()[ids_TK]
     if spec.scaling_factor != 1.0:
