@@ -104,7 +104,6 @@ def hbm_roof_bytes_per_s() -> float:
     a = torch.empty(n, dtype=torch.float32, device="cuda")
     b = torch.empty_like(a)
     t = time_cuda(lambda: b.copy_(a), reps=10, warmup=2, flush=False)
-    del a, b
     return 2 * n * 4 / t
 
 

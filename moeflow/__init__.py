@@ -29,6 +29,14 @@ _EXPORTS: dict[str, str] = {
     "MoELayer": "moeflow.layer",
     "patch_model": "moeflow.hf",
     "PatchReport": "moeflow.hf",
+    "unpatch_model": "moeflow.hf",
+    "moe_layers": "moeflow.hf",
+    "register_experts_interface": "moeflow.hf",
+    "CheckpointIndex": "moeflow.checkpoint",
+    "load_moe_layer": "moeflow.checkpoint",
+    "CheckpointError": "moeflow.checkpoint",
+    "run_experts": "moeflow.layer",
+    "select_experts_impl": "moeflow.experts.select",
     "OffloadConfig": "moeflow.offload.config",
 }
 
