@@ -562,6 +562,7 @@ def patch_model(
     experts: str = "auto",
     ep_group: Any = None,
     ep_mode: str = "all_to_all",
+    ep_options: dict[str, Any] | None = None,
     offload: Any = None,
 ) -> PatchReport:
     """Replace every MoE block of a transformers model by moeflow, sharing its weights.
@@ -573,6 +574,9 @@ def patch_model(
         ep_group: a torch.distributed process group: shard each block's experts over it
             (moeflow.parallel.ep.shard_layer, collective: call on every rank). None: local.
         ep_mode: "all_to_all" or "all_reduce" (with ep_group).
+        ep_options: extra keyword arguments for every block's shard_layer, e.g.
+            placement= (an expert->rank map when the world size does not divide E),
+            timeout_s= (a hung rank becomes an error naming the collective), static_tokens=.
         offload: an OffloadConfig: serve the experts from host memory through a device
             slot cache (moeflow.offload.attach.attach_offload over all blocks, in model order).
 
@@ -590,6 +594,8 @@ def patch_model(
         raise TypeError(f"experts: expected a str such as 'auto', got {type(experts).__name__}")
     if ep_mode not in EP_MODES:
         raise ValueError(f"ep_mode={ep_mode!r}: expected one of {EP_MODES}")
+    if ep_options is not None and (ep_group is None or not isinstance(ep_options, dict)):
+        raise ValueError(f"ep_options={ep_options!r}: expected a dict, and only together with ep_group")
     if ep_group is not None and offload is not None:
         raise ValueError("patch_model: ep_group and offload together are not supported (offload runs one device)")
     config = getattr(model, "config", None)
@@ -609,7 +615,7 @@ def patch_model(
         layer_idx = _layer_idx(path, block)
         layer = _build_layer(fam, block, config, layer_idx, experts, path)
         plans.append((path, block, fam, layer_idx, layer))
-    runners = [shard_layer(layer, group=ep_group, mode=ep_mode) if shard_layer else layer
+    runners = [shard_layer(layer, group=ep_group, mode=ep_mode, **(ep_options or {})) if shard_layer else layer
                for _, _, _, _, layer in plans]
 
     rows = []

@@ -1,0 +1,184 @@
+"""The all-reduce expert-parallel plan (`ep_mode="all_reduce"`, the seed's served path).
+
+Legend: T tokens (the same T rows on every rank), K picks, P = T*K pairs, H hidden,
+W ranks, E routed experts, L experts on this rank, N rows this rank computes.
+
+Every rank holds the same x_TH (replicated activations, as after a tensor-parallel
+attention block) and the same routing. Each rank runs only the pairs whose expert it
+owns, sums them per token in slot order (the other slots contribute exactly 0), and
+one all_reduce (in `reduce_dtype`, float32 by default) adds the W partial sums. Zero
+experts (w * x) are added after the reduce, on every rank, so they count once; the
+layer adds the shared expert after that, also once.
+
+The cross-rank sum runs in the backend's order, not in slot order, so this plan
+matches the single-process layer within rounding (float32 accumulation of the partial
+sums, one rounding to x's dtype at the end), not bit for bit; the all-to-all plan is
+the bit-exact one.
+
+`static=True` (decode / CUDA graphs): every one of the P pairs is a row (pairs owned
+elsewhere get a zero input, sort after the real rows and are masked out), so no count
+is read on the host. Otherwise the owned pairs are found with one `nonzero` (a sync).
+
+The input is NOT checked to be identical across ranks (that would cost a collective
+per call); a rank with different tokens gives a silently wrong sum. Use all_to_all
+when ranks hold different tokens.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .dist_utils import collective, group_rank, group_size
+from .local import combine_TH
+from .plan import EPPlan, Placement, ep_plan
+
+__all__ = ["ARHandle", "AllReduceEP"]
+
+
+@dataclass(frozen=True, eq=False)
+class ARHandle:
+    """The rows this rank computes under the all-reduce plan.
+
+    plan:          EPPlan of the (replicated) routing.
+    pair_N:        int64 [N] flat pair ids t*K+k of the rows, grouped stably by local expert
+                   (static: all P pairs, owned ones first).
+    recv_x_NH:     [N, H] input rows (the token row; zero for unowned rows in static mode).
+    recv_expert_N: int64 [N] local expert index (unowned static rows: L-1).
+    recv_weight_N: float32 [N] routing weight of each row.
+    recv_valid_N:  bool [N] row is owned here (all True in the dynamic mode).
+    x_TH, weights_TK: the layer input and weights (combine adds w*x for zero experts).
+    """
+
+    plan: EPPlan
+    pair_N: torch.Tensor
+    recv_x_NH: torch.Tensor
+    recv_expert_N: torch.Tensor
+    recv_weight_N: torch.Tensor
+    recv_valid_N: torch.Tensor
+    x_TH: torch.Tensor
+    weights_TK: torch.Tensor
+    rank: int
+    world_size: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.x_TH.shape[0])
+
+    def bytes_moved(self, elem_size: int, reduce_elem_size: int = 4) -> int:
+        """Bytes a ring all-reduce sends from this rank: 2 (W-1)/W of the [T, H] partial."""
+        W = self.world_size
+        return 2 * (W - 1) * self.num_tokens * int(self.x_TH.shape[1]) * reduce_elem_size // max(W, 1)
+
+
+class AllReduceEP:
+    """Masked-local experts plus one all_reduce.
+
+    placement:    which rank owns each expert.
+    group:        the EP process group.
+    timeout_s:    per-collective timeout (EPCollectiveError past it), None: the group's own.
+    static:       fixed-shape rows (no host read), see the module docstring.
+    reduce_dtype: dtype of the partial sums on the wire (float32 keeps the f32 accumulation
+                  of the single-process combine; bfloat16 halves the bytes).
+    num_zero_experts: Z; when > 0 combine adds w * x for the zero-expert slots.
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        group: dist.ProcessGroup,
+        *,
+        timeout_s: float | None = None,
+        static: bool = False,
+        reduce_dtype: torch.dtype = torch.float32,
+        num_zero_experts: int = 0,
+    ) -> None:
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement: expected a Placement, got {type(placement).__name__}")
+        self.group = group
+        self.rank = group_rank(group)
+        self.world_size = group_size(group)
+        if placement.world_size != self.world_size:
+            raise ValueError(
+                f"placement.world_size={placement.world_size} but the process group has {self.world_size} ranks"
+            )
+        if not reduce_dtype.is_floating_point:
+            raise TypeError(f"reduce_dtype={reduce_dtype}: expected a floating dtype")
+        self.placement = placement
+        self.timeout_s = timeout_s
+        self.static = bool(static)
+        self.reduce_dtype = reduce_dtype
+        self.num_local = placement.num_local(self.rank)
+        self.num_zero_experts = int(num_zero_experts)
+
+    def dispatch(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ARHandle:
+        """Pick this rank's pairs (no communication)."""
+        if x_TH.dim() != 2 or ids_TK.dim() != 2 or ids_TK.shape[0] != x_TH.shape[0]:
+            raise ValueError(f"x_TH {tuple(x_TH.shape)} / ids_TK {tuple(ids_TK.shape)}: expected [T, H] / [T, K]")
+        T, K = ids_TK.shape
+        plan = ep_plan(ids_TK, weights_TK, self.placement, validate=not self.static)
+        mine_P = (plan.dest_rank_TK == self.rank).reshape(-1)
+        local_P = plan.local_expert_TK.reshape(-1)
+        L = self.num_local
+        w_P = weights_TK.reshape(-1).to(torch.float32)
+        device = x_TH.device
+        if self.static:
+            junk = max(L - 1, 0)
+            key = torch.where(mine_P, local_P, torch.full_like(local_P, L))
+            pair_N = torch.sort(key, stable=True).indices
+            valid_N = mine_P[pair_N]
+            expert_N = torch.where(valid_N, local_P[pair_N], torch.full_like(pair_N, junk))
+            x_NH = x_TH.index_select(0, pair_N // K)
+            x_NH = torch.where(valid_N.unsqueeze(1), x_NH, torch.zeros((), dtype=x_NH.dtype, device=device))
+        else:
+            owned = mine_P.nonzero().squeeze(1)
+            order = torch.sort(local_P[owned], stable=True).indices
+            pair_N = owned[order]
+            expert_N = local_P[pair_N]
+            valid_N = torch.ones(pair_N.shape, dtype=torch.bool, device=device)
+            x_NH = x_TH.index_select(0, pair_N // K)
+        return ARHandle(
+            plan=plan,
+            pair_N=pair_N,
+            recv_x_NH=x_NH,
+            recv_expert_N=expert_N,
+            recv_weight_N=w_P[pair_N],
+            recv_valid_N=valid_N,
+            x_TH=x_TH,
+            weights_TK=weights_TK,
+            rank=self.rank,
+            world_size=self.world_size,
+        )
+
+    def combine(self, y_NH: torch.Tensor, handle: ARHandle, *, weight_on_input: bool = False) -> torch.Tensor:
+        """out_TH [T, H] (x's dtype): the routed output (zero experts included, shared not).
+
+        y_NH: [N, H] unweighted outputs for `handle.recv_x_NH`'s rows (same order).
+        One all_reduce of the [T, H] partial sum in `reduce_dtype`.
+        """
+        if not isinstance(handle, ARHandle):
+            raise TypeError(f"handle: expected an ARHandle, got {type(handle).__name__}")
+        x_TH, weights_TK, plan = handle.x_TH, handle.weights_TK, handle.plan
+        T, H = int(x_TH.shape[0]), int(x_TH.shape[1])
+        K = plan.top_k
+        if y_NH.dim() != 2 or tuple(y_NH.shape) != (int(handle.pair_N.shape[0]), H):
+            raise ValueError(f"y_NH: shape {tuple(y_NH.shape)}, expected [{int(handle.pair_N.shape[0])}, {H}]")
+        y_masked = torch.where(handle.recv_valid_N.unsqueeze(1), y_NH,
+                               torch.zeros((), dtype=y_NH.dtype, device=y_NH.device))
+        y_PH = y_NH.new_zeros((T * K, H))
+        # Each pair appears at most once in pair_N; unowned static rows write their masked 0.
+        y_PH.index_copy_(0, handle.pair_N, y_masked)
+        # Slots owned elsewhere hold exactly 0 here; zero experts are added after the reduce.
+        partial_TH = combine_TH(y_PH.view(T, K, H), weights_TK, weight_on_input=weight_on_input,
+                                out_dtype=self.reduce_dtype)
+        collective("all_reduce(partial expert sums)", dist.all_reduce, partial_TH,
+                   group=self.group, timeout_s=self.timeout_s)
+        out32 = partial_TH.to(torch.float32)
+        zero_TK = plan.is_zero_TK
+        if self.num_zero_experts:
+            # w * x for zero-expert slots, added once (every rank has the same x and weights).
+            w0_TK = torch.where(zero_TK, weights_TK.to(torch.float32), torch.zeros((), device=x_TH.device))
+            out32 = out32 + w0_TK.sum(1, keepdim=True) * x_TH.to(torch.float32)
+        return out32.to(x_TH.dtype)

@@ -1,0 +1,396 @@
+"""All-to-all expert-parallel dispatch / combine over torch.distributed (`ep_mode="all_to_all"`).
+
+Legend: T tokens on this rank, K picks, P = T*K pairs, H hidden, W ranks, E routed
+experts, L experts on this rank, U token rows sent (one per (token, destination rank)),
+N pair rows (one per routed (token, slot)), Tm the static token budget of the decode mode.
+
+Two modes, one interface (`dispatch(x, ids, weights) -> handle`, the caller runs its
+local experts on `handle.recv_x_NH` / `handle.recv_expert_N`, `combine(y_NH, handle)`):
+
+dynamic (prefill; `static_tokens=None`):
+    1. all_to_all of the counts ([W, 2] int64: token rows and pairs per destination), read
+       once on the host (the split sizes a variable all_to_all needs);
+    2. one all_to_all_single of packed byte rows, one per (token, destination rank) that
+       owns at least one of the token's experts (so K slots on one rank cost one row of
+       H): [x_t | t | K local expert ids, -1 for slots not for that rank | K weights];
+    3. the receiver expands rows to pairs in (source rank, token, slot) order; the
+       experts implementation groups them stably by expert, so every expert sees its rows
+       in the order the single-process layer gives them for the ranks' tokens
+       concatenated in rank order: same rows, same order, same bits;
+    4. combine: all_to_all_single of y back (N rows), scattered to y_TKH [T, K, H] on the
+       source rank. The weighted sum in slot order is the caller's (the layer's combine).
+
+static (decode; `static_tokens=Tm`): worst-case fixed buffers, no host read of any
+count, every shape a function of (W, Tm, K, H) only, so one step can be captured in a
+CUDA graph on NCCL. Each rank sends its Tm (padded) token rows packed with their (id,
+weight) picks to every rank (one all_to_all_single, equal splits); each rank computes the
+pairs it owns out of the W*Tm*K candidates (the others are junk rows, placed after the
+real rows, zero input, and masked out), sends y back as [Tm, K, H] per source, and the
+source gathers each pair's row from its owner's block.
+
+Zero experts (ids >= E) are never sent: their y rows stay zero here and the caller's
+combine adds w*x. The handles are frozen dataclasses; nothing here knows about experts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from .dist_utils import collective, group_rank, group_size
+from .plan import EPPlan, Placement, ep_plan
+
+__all__ = ["A2AHandle", "A2AStaticHandle", "AllToAllDispatcher"]
+
+
+
+def _as_bytes(t_RC: torch.Tensor) -> torch.Tensor:
+    """A contiguous [R, C] tensor as uint8 [R, C * itemsize] (a view)."""
+    t_RC = t_RC.contiguous()
+    return t_RC.view(torch.uint8).view(int(t_RC.shape[0]), int(t_RC.shape[1]) * t_RC.element_size())
+
+
+@dataclass(frozen=True, eq=False)
+class A2AHandle:
+    """What `AllToAllDispatcher.dispatch` (dynamic mode) hands to the experts and to `combine`.
+
+    Received rows, in (source rank, token, slot) order:
+        recv_x_NH:      [N_recv, H] the token row of each pair (x's dtype).
+        recv_expert_N:  int64 [N_recv] local expert index (0 <= id < L).
+        recv_src_N:     int64 [N_recv] source rank.
+        recv_token_N:   int64 [N_recv] token index on the source rank.
+        recv_slot_N:    int64 [N_recv] slot k on the source rank.
+        recv_weight_N:  float32 [N_recv] routing weight of the pair (llama4 applies it to the input).
+    Bookkeeping (host ints, read once at dispatch):
+        send_pair_splits / recv_pair_splits: pairs per destination / per source.
+        send_token_splits / recv_token_splits: token rows per destination / per source.
+    plan: this rank's EPPlan (the inverse permutation combine uses).
+    """
+
+    plan: EPPlan
+    recv_x_NH: torch.Tensor
+    recv_expert_N: torch.Tensor
+    recv_src_N: torch.Tensor
+    recv_token_N: torch.Tensor
+    recv_slot_N: torch.Tensor
+    recv_weight_N: torch.Tensor
+    send_pair_splits: tuple[int, ...]
+    recv_pair_splits: tuple[int, ...]
+    send_token_splits: tuple[int, ...]
+    recv_token_splits: tuple[int, ...]
+    rank: int
+    num_tokens: int
+    hidden_size: int
+    row_bytes: int
+
+    @property
+    def recv_valid_N(self) -> None:
+        """Every received row is real in the dynamic mode (see A2AStaticHandle)."""
+        return None
+
+    def local_pairs(self) -> int:
+        """Pairs this rank computes for its own tokens."""
+        return self.recv_pair_splits[self.rank]
+
+    def remote_pairs_in(self) -> int:
+        """Pairs other ranks sent here."""
+        return sum(self.recv_pair_splits) - self.recv_pair_splits[self.rank]
+
+    def remote_pairs_out(self) -> int:
+        """Pairs of this rank's tokens computed elsewhere."""
+        return sum(self.send_pair_splits) - self.send_pair_splits[self.rank]
+
+    def bytes_moved(self, elem_size: int) -> int:
+        """Bytes this rank sends to other ranks (counts + packed dispatch rows + combine rows)."""
+        me = self.rank
+        tok = sum(self.send_token_splits) - self.send_token_splits[me]
+        back = sum(self.recv_pair_splits) - self.recv_pair_splits[me]
+        W = len(self.send_pair_splits)
+        return (W - 1) * 2 * 8 + tok * self.row_bytes + back * self.hidden_size * elem_size
+
+
+@dataclass(frozen=True, eq=False)
+class A2AStaticHandle:
+    """What `AllToAllDispatcher.dispatch` (static decode mode) hands out. Fixed shapes, N = W*Tm*K.
+
+    Rows sorted so that this rank's real pairs come first, grouped stably by local
+    expert (within an expert in (source rank, token, slot) order); junk rows follow with
+    a zero input and expert L-1, so a stable grouping puts them after every real row.
+        recv_x_NH, recv_expert_N, recv_src_N, recv_token_N, recv_slot_N, recv_weight_N:
+                        as in A2AHandle, [N] rows.
+        recv_valid_N:   bool [N], True for a pair this rank owns.
+        order_N:        int64 [N], sorted row n is candidate order_N[n] of the flat
+                        [W(src), Tm, K] candidates.
+    """
+
+    plan: EPPlan
+    recv_x_NH: torch.Tensor
+    recv_expert_N: torch.Tensor
+    recv_src_N: torch.Tensor
+    recv_token_N: torch.Tensor
+    recv_slot_N: torch.Tensor
+    recv_weight_N: torch.Tensor
+    recv_valid_N: torch.Tensor
+    order_N: torch.Tensor
+    rank: int
+    world_size: int
+    num_tokens: int
+    static_tokens: int
+    hidden_size: int
+
+    def bytes_moved(self, elem_size: int) -> int:
+        """Bytes this rank sends to other ranks (fixed: the worst case)."""
+        W, K = self.world_size, self.plan.top_k
+        per_peer = self.static_tokens * (self.hidden_size * elem_size + K * 8 + K * self.hidden_size * elem_size)
+        return (W - 1) * per_peer
+
+
+class AllToAllDispatcher:
+    """Dispatch tokens to the ranks owning their experts and bring the results back.
+
+    placement:     which rank owns each routed expert (E = placement.num_experts).
+    group:         the expert-parallel process group (passed in, never the global default
+                   implicitly; torch.distributed.group.WORLD is fine).
+    timeout_s:     seconds each collective may take before EPCollectiveError (None: only
+                   the process group's own timeout).
+    static_tokens: None for the dynamic mode; Tm for the static decode mode (every rank
+                   must pass at most Tm tokens per step, and the same Tm).
+    """
+
+    def __init__(
+        self,
+        placement: Placement,
+        group: dist.ProcessGroup,
+        *,
+        timeout_s: float | None = None,
+        static_tokens: int | None = None,
+    ) -> None:
+        if not isinstance(placement, Placement):
+            raise TypeError(f"placement: expected a moeflow.parallel.plan.Placement, got {type(placement).__name__}")
+        self.group = group
+        self.rank = group_rank(group)
+        self.world_size = group_size(group)
+        if placement.world_size != self.world_size:
+            raise ValueError(
+                f"placement.world_size={placement.world_size} but the process group has {self.world_size} ranks"
+            )
+        if static_tokens is not None and (
+            not isinstance(static_tokens, int) or isinstance(static_tokens, bool) or static_tokens < 1
+        ):
+            raise ValueError(f"static_tokens={static_tokens!r}: expected None (dynamic) or an int >= 1")
+        self.placement = placement
+        self.timeout_s = timeout_s
+        self.static_tokens = static_tokens
+        self.num_local = placement.num_local(self.rank)
+
+    # ------------------------------------------------------------------ helpers
+
+    def _check_inputs(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+        if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2:
+            raise ValueError(f"x_TH: expected a 2-D tensor [T, H], got shape {tuple(getattr(x_TH, 'shape', ()))}")
+        if ids_TK.dim() != 2 or ids_TK.shape[0] != x_TH.shape[0]:
+            raise ValueError(f"ids_TK: shape {tuple(ids_TK.shape)}, expected [T={x_TH.shape[0]}, K]")
+        if self.static_tokens is not None and x_TH.shape[0] > self.static_tokens:
+            raise ValueError(
+                f"x_TH has T={x_TH.shape[0]} tokens, more than static_tokens={self.static_tokens} "
+                f"(the decode mode's fixed buffer)"
+            )
+
+    def dispatch(
+        self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
+    ) -> A2AHandle | A2AStaticHandle:
+        """Send each routed pair's token row to its expert's rank.
+
+        x_TH:       [T, H] this rank's tokens (any floating dtype the backend carries).
+        ids_TK:     int32/int64 [T, K] routing ids (>= E: zero expert, not sent).
+        weights_TK: float [T, K] routing weights (travel as float32 with the pair).
+        Dynamic mode: one host read (the exchanged counts). Static mode: none.
+        """
+        self._check_inputs(x_TH, ids_TK, weights_TK)
+        if self.static_tokens is None:
+            return self._dispatch_dynamic(x_TH, ids_TK, weights_TK)
+        return self._dispatch_static(x_TH, ids_TK, weights_TK)
+
+    def combine(self, y_NH: torch.Tensor, handle: A2AHandle | A2AStaticHandle) -> torch.Tensor:
+        """Bring the experts' rows home: y_TKH [T, K, H] on the source rank (y's dtype).
+
+        y_NH: [N_recv, H] outputs for `handle.recv_x_NH`'s rows, same order (unweighted).
+        Rows of zero-expert pairs are 0 (the caller's combine adds w*x for them).
+        """
+        if isinstance(handle, A2AHandle):
+            return self._combine_dynamic(y_NH, handle)
+        if isinstance(handle, A2AStaticHandle):
+            return self._combine_static(y_NH, handle)
+        raise TypeError(f"handle: expected an A2AHandle or A2AStaticHandle, got {type(handle).__name__}")
+
+    # ------------------------------------------------------------------ dynamic
+
+    def _dispatch_dynamic(self, x_TH, ids_TK, weights_TK) -> A2AHandle:
+        W, me = self.world_size, self.rank
+        T, K = ids_TK.shape
+        H = x_TH.shape[1]
+        device = x_TH.device
+        plan = ep_plan(ids_TK, weights_TK, self.placement)
+        dest_TK = plan.dest_rank_TK
+        # Which ranks each token must visit (once per rank, whatever its number of slots there).
+        visit_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=device)
+        visit_TW.scatter_(1, torch.where(dest_TK < 0, W, dest_TK), True)
+        visit_TW = visit_TW[:, :W]
+        tok_counts_W = visit_TW.sum(0, dtype=torch.int64)
+        counts_W2 = torch.stack([tok_counts_W, plan.send_counts_R], dim=1)
+        recv_counts_W2 = torch.empty_like(counts_W2)
+        collective("all_to_all_single(counts)", dist.all_to_all_single, recv_counts_W2, counts_W2,
+                   group=self.group, timeout_s=self.timeout_s)
+        # The one host read of the dynamic mode: variable splits need Python ints.
+        host = torch.cat([counts_W2, recv_counts_W2], 0).tolist()
+        send_tok = tuple(int(r[0]) for r in host[:W])
+        send_pair = tuple(int(r[1]) for r in host[:W])
+        recv_tok = tuple(int(r[0]) for r in host[W:])
+        recv_pair = tuple(int(r[1]) for r in host[W:])
+
+        # One packed row per (token, destination), grouped by destination, tokens ascending
+        # ([W, T] nonzero is row-major): [x_t bytes | t | K local expert ids (-1: slot not
+        # for this destination) | K weights as int32 bits]. One all_to_all carries rows and
+        # metadata together.
+        nz = visit_TW.t().nonzero()
+        d_U, t_U = nz[:, 0], nz[:, 1]
+        x_bytes_UB = _as_bytes(x_TH.index_select(0, t_U))
+        loc_UK = torch.where(dest_TK[t_U] == d_U.unsqueeze(1), plan.local_expert_TK[t_U], -1).to(torch.int32)
+        w_UK = weights_TK[t_U].to(torch.float32).contiguous().view(torch.int32)
+        meta_UM = torch.cat([t_U.to(torch.int32).unsqueeze(1), loc_UK, w_UK], dim=1)
+        send_UB = torch.cat([x_bytes_UB, _as_bytes(meta_UM)], dim=1)
+        row_bytes = int(send_UB.shape[1])
+        recv_UB = send_UB.new_empty((sum(recv_tok), row_bytes))
+        collective("all_to_all_single(dispatch)", dist.all_to_all_single, recv_UB, send_UB,
+                   list(recv_tok), list(send_tok), group=self.group, timeout_s=self.timeout_s)
+
+        xb = H * x_TH.element_size()
+        x_recv_UH = recv_UB[:, :xb].contiguous().view(x_TH.dtype)
+        meta = recv_UB[:, xb:].contiguous().view(torch.int32)
+        tok_U, loc_recv_UK = meta[:, 0].to(torch.int64), meta[:, 1 : 1 + K].to(torch.int64)
+        w_recv_UK = meta[:, 1 + K :].contiguous().view(torch.float32)
+        # Pairs in (source rank, token, slot) order: rows come by source then token, slots ascend.
+        pair = (loc_recv_UK >= 0).nonzero()
+        u_N, k_N = pair[:, 0], pair[:, 1]
+        if int(u_N.shape[0]) != sum(recv_pair):
+            raise RuntimeError(
+                f"all_to_all dispatch: {int(u_N.shape[0])} pairs arrived, the counts promised {sum(recv_pair)}"
+            )
+        src_U = torch.repeat_interleave(
+            torch.arange(W, device=device), torch.tensor(recv_tok, device=device), output_size=sum(recv_tok)
+        )
+        return A2AHandle(
+            plan=plan,
+            recv_x_NH=x_recv_UH.index_select(0, u_N),
+            recv_expert_N=loc_recv_UK[u_N, k_N],
+            recv_src_N=src_U[u_N],
+            recv_token_N=tok_U[u_N],
+            recv_slot_N=k_N,
+            recv_weight_N=w_recv_UK[u_N, k_N],
+            send_pair_splits=send_pair,
+            recv_pair_splits=recv_pair,
+            send_token_splits=send_tok,
+            recv_token_splits=recv_tok,
+            rank=me,
+            num_tokens=int(T),
+            hidden_size=int(H),
+            row_bytes=row_bytes,
+        )
+
+    def _combine_dynamic(self, y_NH: torch.Tensor, h: A2AHandle) -> torch.Tensor:
+        n_recv = sum(h.recv_pair_splits)
+        if y_NH.dim() != 2 or y_NH.shape[0] != n_recv or y_NH.shape[1] != h.hidden_size:
+            raise ValueError(f"y_NH: shape {tuple(y_NH.shape)}, expected [{n_recv}, {h.hidden_size}] (handle's rows)")
+        n_send = sum(h.send_pair_splits)
+        y_back_NH = y_NH.new_empty((n_send, h.hidden_size))
+        collective("all_to_all_single(combine)", dist.all_to_all_single, y_back_NH, y_NH.contiguous(),
+                   list(h.send_pair_splits), list(h.recv_pair_splits),
+                   group=self.group, timeout_s=self.timeout_s)
+        T, K = h.num_tokens, h.plan.top_k
+        y_PH = y_NH.new_zeros((T * K, h.hidden_size))
+        y_PH.index_copy_(0, h.plan.send_order_P[:n_send], y_back_NH)
+        return y_PH.view(T, K, h.hidden_size)
+
+    # ------------------------------------------------------------------ static (decode)
+
+    def _dispatch_static(self, x_TH, ids_TK, weights_TK) -> A2AStaticHandle:
+        W, me, Tm = self.world_size, self.rank, self.static_tokens
+        T, K = ids_TK.shape
+        H = x_TH.shape[1]
+        E = self.placement.num_experts
+        device = x_TH.device
+        pad = Tm - T
+        ids_pad = ids_TK.to(torch.int64)
+        w_pad = weights_TK.to(torch.float32).contiguous()
+        x_pad = x_TH
+        if pad:
+            # Padding rows pick id E (a zero expert: never computed) and carry zero input.
+            ids_pad = torch.cat([ids_pad, torch.full((pad, K), E, dtype=torch.int64, device=device)])
+            w_pad = torch.cat([w_pad, torch.zeros(pad, K, dtype=torch.float32, device=device)])
+            x_pad = torch.cat([x_TH, x_TH.new_zeros((pad, H))])
+        plan = ep_plan(ids_pad, w_pad, self.placement, validate=False)
+        # One packed row per token: [x bytes | K (id, weight bits) int32 pairs], to every rank.
+        picks_TK2 = torch.stack([ids_pad.to(torch.int32), w_pad.view(torch.int32)], dim=2)
+        row_TB = torch.cat([_as_bytes(x_pad.contiguous()), _as_bytes(picks_TK2.reshape(Tm, 2 * K))], dim=1)
+        B = int(row_TB.shape[1])
+        recv_WTB = row_TB.new_empty((W, Tm, B))
+        collective("all_to_all_single(static dispatch)", dist.all_to_all_single, recv_WTB,
+                   row_TB.unsqueeze(0).expand(W, Tm, B).contiguous(), group=self.group, timeout_s=self.timeout_s)
+        xb = H * x_TH.element_size()
+        x_recv_WTH = recv_WTB[..., :xb].contiguous().view(x_TH.dtype)
+        picks_recv = recv_WTB[..., xb:].contiguous().view(torch.int32).view(W, Tm, K, 2)
+        N = W * Tm * K
+        rank_of_E, local_index_E = self.placement.tensors(device)
+        ids_N = picks_recv[..., 0].reshape(N).to(torch.int64)
+        wts_N = picks_recv[..., 1].reshape(N).contiguous().view(torch.float32)
+        routed = (ids_N >= 0) & (ids_N < E)
+        safe = ids_N.clamp(0, E - 1)
+        mine_N = routed & (rank_of_E[safe] == me)
+        L = self.num_local
+        junk = max(L - 1, 0)
+        local_N = torch.where(mine_N, local_index_E[safe], torch.full_like(ids_N, junk))
+        # Real rows first, grouped by expert in (source, token, slot) order; junk rows last.
+        key_N = torch.where(mine_N, local_N, torch.full_like(local_N, L))
+        order_N = torch.sort(key_N, stable=True).indices
+        ar = torch.arange(N, device=device)
+        src_N = ar // (Tm * K)
+        tok_N = (ar // K) % Tm
+        slot_N = ar % K
+        x_rows = x_recv_WTH.reshape(W * Tm, H).index_select(0, (src_N * Tm + tok_N)[order_N])
+        valid_sorted = mine_N[order_N]
+        x_rows = torch.where(valid_sorted.unsqueeze(1), x_rows, torch.zeros((), dtype=x_rows.dtype, device=device))
+        return A2AStaticHandle(
+            plan=plan,
+            recv_x_NH=x_rows,
+            recv_expert_N=local_N[order_N],
+            recv_src_N=src_N[order_N],
+            recv_token_N=tok_N[order_N],
+            recv_slot_N=slot_N[order_N],
+            recv_weight_N=wts_N[order_N],
+            recv_valid_N=valid_sorted,
+            order_N=order_N,
+            rank=me,
+            world_size=W,
+            num_tokens=int(T),
+            static_tokens=int(Tm),
+            hidden_size=int(H),
+        )
+
+    def _combine_static(self, y_NH: torch.Tensor, h: A2AStaticHandle) -> torch.Tensor:
+        W, Tm, K, H = self.world_size, h.static_tokens, h.plan.top_k, h.hidden_size
+        N = W * Tm * K
+        if y_NH.dim() != 2 or tuple(y_NH.shape) != (N, H):
+            raise ValueError(f"y_NH: shape {tuple(y_NH.shape)}, expected [{N}, {H}] (the static handle's rows)")
+        y_sorted = torch.where(h.recv_valid_N.unsqueeze(1), y_NH, torch.zeros((), dtype=y_NH.dtype, device=y_NH.device))
+        y_flat = torch.empty_like(y_sorted)
+        y_flat.index_copy_(0, h.order_N, y_sorted)
+        y_back = torch.empty_like(y_flat).view(W, Tm, K, H)
+        collective("all_to_all_single(static combine)", dist.all_to_all_single, y_back,
+                   y_flat.view(W, Tm, K, H), group=self.group, timeout_s=self.timeout_s)
+        dest_TK = h.plan.dest_rank_TK  # [Tm, K], -1 for zero experts and padding
+        idx = dest_TK.clamp(min=0).view(1, Tm, K, 1).expand(1, Tm, K, H)
+        y_TKH = y_back.gather(0, idx).squeeze(0)
+        y_TKH = torch.where((dest_TK >= 0).unsqueeze(2), y_TKH, torch.zeros((), dtype=y_TKH.dtype, device=y_TKH.device))
+        return y_TKH[: h.num_tokens]

@@ -1,0 +1,444 @@
+"""Expert placement and the expert-parallel routing table (the seed's `build_ep_routing_table`).
+
+Legend: T tokens on this (source) rank, K picks per token, P = T*K (token, slot) pairs
+(flattened row-major: pair p = t*K + k), E routed experts, Z zero experts, W ranks
+(world size of the expert-parallel group), L experts on one rank.
+
+Nothing here talks to torch.distributed: `ep_plan` is a pure function of one rank's
+routing, and the same code serves the all-to-all dispatcher (`all_to_all.py`), the
+all-reduce plan (`all_reduce.py`) and the tests.
+
+Zero experts (LongCat): an id >= E is an identity expert. It costs no compute and is
+never sent anywhere: the pair stays on the source rank, which adds w*x itself when it
+combines. So `send_counts_R` sums to T*K minus the number of zero-expert pairs, and
+the zero-expert pairs sit at the end of `send_order_P` (after every rank's block).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["Placement", "contiguous_ranges", "as_placement", "EPPlan", "ep_plan"]
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def contiguous_ranges(num_experts: int, world_size: int) -> list[tuple[int, int]]:
+    """The seed's `local_expert_range` for every rank: rank r owns [r*E/W, (r+1)*E/W).
+
+    Raises ValueError when W does not divide E: an uneven split is a placement choice
+    the caller must make explicitly (pass ranges or an expert->rank map).
+    """
+    if not _is_int(num_experts) or num_experts < 1:
+        raise ValueError(f"contiguous_ranges: num_experts={num_experts!r}, expected an int >= 1")
+    if not _is_int(world_size) or world_size < 1:
+        raise ValueError(f"contiguous_ranges: world_size={world_size!r}, expected an int >= 1")
+    if num_experts % world_size:
+        raise ValueError(
+            f"contiguous_ranges: world_size={world_size} does not divide num_experts={num_experts}; "
+            f"pass explicit ranges or an expert->rank map (Placement.from_map) instead"
+        )
+    per = num_experts // world_size
+    return [(r * per, (r + 1) * per) for r in range(world_size)]
+
+
+@dataclass(frozen=True, eq=False)
+class Placement:
+    """Which rank owns each routed expert.
+
+    num_experts:      E.
+    world_size:       W (ranks may own no expert at all).
+    experts_per_rank: rank -> its global expert ids, ascending. Local expert index j on
+                      rank r is `experts_per_rank[r][j]`: the order of
+                      `ExpertWeights.subset(experts_per_rank[r])`.
+    rank_of_E:        int64 [E] (CPU), owner rank of each expert.
+    local_index_E:    int64 [E] (CPU), index of each expert among its owner's experts.
+
+    Build it with `contiguous`, `from_ranges`, `from_map` or `from_rank_experts`
+    (each validates: every expert owned exactly once), or let `as_placement` pick.
+    """
+
+    num_experts: int
+    world_size: int
+    experts_per_rank: tuple[tuple[int, ...], ...]
+    rank_of_E: torch.Tensor = field(repr=False)
+    local_index_E: torch.Tensor = field(repr=False)
+    _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # ---- constructors -------------------------------------------------------------
+
+    @classmethod
+    def _build(cls, num_experts: int, owner: list[int], world_size: int) -> Placement:
+        per_rank: list[list[int]] = [[] for _ in range(world_size)]
+        for e, r in enumerate(owner):
+            per_rank[r].append(e)
+        local = [0] * num_experts
+        for experts in per_rank:
+            for j, e in enumerate(experts):
+                local[e] = j
+        return cls(
+            num_experts=num_experts,
+            world_size=world_size,
+            experts_per_rank=tuple(tuple(x) for x in per_rank),
+            rank_of_E=torch.tensor(owner, dtype=torch.int64),
+            local_index_E=torch.tensor(local, dtype=torch.int64),
+        )
+
+    @classmethod
+    def contiguous(cls, num_experts: int, world_size: int) -> Placement:
+        """Equal contiguous ranges (ValueError when W does not divide E)."""
+        return cls.from_ranges(contiguous_ranges(num_experts, world_size))
+
+    @classmethod
+    def from_ranges(cls, ranges: Sequence[Sequence[int]], *, num_experts: int | None = None) -> Placement:
+        """`ranges[r] = (start, end)`: rank r owns experts [start, end). E = max end unless given.
+
+        The ranges must cover [0, E) exactly once: a gap or an overlap is a ValueError
+        naming the expert. An empty range (start == end) is a rank with no experts.
+        """
+        if isinstance(ranges, (str, bytes)) or not isinstance(ranges, Sequence) or len(ranges) == 0:
+            raise ValueError(f"expert_ranges={ranges!r}: expected a non-empty list of (start, end) per rank")
+        parsed: list[tuple[int, int]] = []
+        for r, rng in enumerate(ranges):
+            if (
+                isinstance(rng, (str, bytes))
+                or not isinstance(rng, Sequence)
+                or len(rng) != 2
+                or not all(_is_int(v) for v in rng)
+            ):
+                raise ValueError(f"expert_ranges[{r}]={rng!r}: expected (start, end) ints")
+            start, end = rng
+            if start < 0 or end < start:
+                raise ValueError(f"expert_ranges[{r}]=({start}, {end}): expected 0 <= start <= end")
+            parsed.append((start, end))
+        e_total = max(end for _, end in parsed)
+        if num_experts is not None:
+            if e_total > num_experts:
+                raise ValueError(
+                    f"expert_ranges reach expert {e_total - 1} but num_experts={num_experts}"
+                )
+            e_total = num_experts
+        if e_total < 1:
+            raise ValueError(f"expert_ranges={ranges!r}: no rank owns any expert")
+        owner = [-1] * e_total
+        for r, (start, end) in enumerate(parsed):
+            for e in range(start, end):
+                if owner[e] != -1:
+                    raise ValueError(
+                        f"expert_ranges: expert {e} is in the ranges of rank {owner[e]} and rank {r}"
+                    )
+                owner[e] = r
+        _check_all_owned(owner, "expert_ranges")
+        return cls._build(e_total, owner, len(parsed))
+
+    @classmethod
+    def from_map(
+        cls,
+        expert_to_rank: Sequence[int] | torch.Tensor | Mapping[int, int],
+        *,
+        world_size: int | None = None,
+        num_experts: int | None = None,
+    ) -> Placement:
+        """`expert_to_rank[e]` = the rank owning expert e (list, 1-D int tensor or {expert: rank}).
+
+        W = max rank + 1 unless given. An expert with no rank (missing from a dict, or a
+        negative entry) or a rank outside [0, W) is a ValueError naming the expert.
+        """
+        if isinstance(expert_to_rank, torch.Tensor):
+            if expert_to_rank.dim() != 1 or expert_to_rank.dtype.is_floating_point or expert_to_rank.dtype == torch.bool:
+                raise ValueError(
+                    f"expert_to_rank: tensor {expert_to_rank.dtype}{tuple(expert_to_rank.shape)}, "
+                    f"expected a 1-D integer tensor of length E"
+                )
+            owner = [int(v) for v in expert_to_rank.tolist()]
+        elif isinstance(expert_to_rank, Mapping):
+            keys = list(expert_to_rank)
+            if not all(_is_int(k) for k in keys) or not all(_is_int(v) for v in expert_to_rank.values()):
+                raise ValueError(f"expert_to_rank={dict(expert_to_rank)!r}: expected {{expert: rank}} ints")
+            bad = [k for k in keys if k < 0]
+            if bad:
+                raise ValueError(f"expert_to_rank: expert id {bad[0]} is negative")
+            n = num_experts if num_experts is not None else (max(keys) + 1 if keys else 0)
+            extra = [k for k in keys if k >= n]
+            if extra:
+                raise ValueError(f"expert_to_rank: expert {extra[0]} >= num_experts={n}")
+            owner = [expert_to_rank.get(e, -1) for e in range(n)]
+        elif isinstance(expert_to_rank, Sequence) and not isinstance(expert_to_rank, (str, bytes)):
+            if not all(_is_int(v) for v in expert_to_rank):
+                raise ValueError(f"expert_to_rank={list(expert_to_rank)!r}: expected ints (one rank per expert)")
+            owner = list(expert_to_rank)
+        else:
+            raise ValueError(f"expert_to_rank={expert_to_rank!r}: expected a list, 1-D tensor or dict")
+        if num_experts is not None and len(owner) != num_experts:
+            raise ValueError(f"expert_to_rank has {len(owner)} entries, expected num_experts={num_experts}")
+        if len(owner) == 0:
+            raise ValueError("expert_to_rank is empty: expected one rank per expert")
+        _check_all_owned(owner, "expert_to_rank")
+        w = max(owner) + 1 if world_size is None else world_size
+        if not _is_int(w) or w < 1:
+            raise ValueError(f"world_size={world_size!r}: expected an int >= 1")
+        for e, r in enumerate(owner):
+            if r >= w:
+                raise ValueError(f"expert_to_rank: expert {e} is on rank {r}, outside world_size={w}")
+        return cls._build(len(owner), owner, w)
+
+    @classmethod
+    def from_rank_experts(
+        cls, rank_experts: Sequence[Sequence[int]], *, num_experts: int | None = None
+    ) -> Placement:
+        """`rank_experts[r]` = the experts rank r owns (any order). Each expert exactly once:
+        a missing or repeated expert is a ValueError naming it."""
+        if isinstance(rank_experts, (str, bytes)) or not isinstance(rank_experts, Sequence) or not rank_experts:
+            raise ValueError(f"rank_experts={rank_experts!r}: expected a non-empty list of expert lists")
+        all_ids = []
+        for r, experts in enumerate(rank_experts):
+            if isinstance(experts, torch.Tensor):
+                experts = experts.tolist()
+            if not all(_is_int(e) for e in experts):
+                raise ValueError(f"rank_experts[{r}]={experts!r}: expected expert ids (ints)")
+            all_ids.extend((e, r) for e in experts)
+        n = num_experts if num_experts is not None else (max(e for e, _ in all_ids) + 1 if all_ids else 0)
+        if n < 1:
+            raise ValueError("rank_experts: no rank owns any expert")
+        owner = [-1] * n
+        for e, r in all_ids:
+            if e < 0 or e >= n:
+                raise ValueError(f"rank_experts[{r}]: expert {e} outside [0, {n})")
+            if owner[e] != -1:
+                raise ValueError(f"rank_experts: expert {e} is placed twice (rank {owner[e]} and rank {r})")
+            owner[e] = r
+        _check_all_owned(owner, "rank_experts")
+        return cls._build(n, owner, len(rank_experts))
+
+    # ---- queries ------------------------------------------------------------------
+
+    def experts_of(self, rank: int) -> tuple[int, ...]:
+        """Global ids of rank `rank`'s experts, ascending."""
+        self._check_rank(rank)
+        return self.experts_per_rank[rank]
+
+    def num_local(self, rank: int) -> int:
+        return len(self.experts_of(rank))
+
+    def range_of(self, rank: int) -> tuple[int, int] | None:
+        """(start, end) if rank's experts are one contiguous range, else None."""
+        ex = self.experts_of(rank)
+        if not ex:
+            return (0, 0)
+        return (ex[0], ex[-1] + 1) if ex[-1] - ex[0] + 1 == len(ex) else None
+
+    @property
+    def is_contiguous(self) -> bool:
+        """Every rank holds one contiguous range (the seed's layout)."""
+        return all(self.range_of(r) is not None for r in range(self.world_size))
+
+    def tensors(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(rank_of_E, local_index_E) on `device`, cached (one copy per device)."""
+        key = str(torch.device(device))
+        hit = self._device_cache.get(key)
+        if hit is None:
+            hit = (self.rank_of_E.to(device), self.local_index_E.to(device))
+            self._device_cache[key] = hit
+        return hit
+
+    def fingerprint(self) -> tuple[int, ...]:
+        """A short integer summary (E, W, a hash of the owner map) for cross-rank checks."""
+        h = 0
+        for r in self.rank_of_E.tolist():
+            h = (h * 1000003 + r + 1) % (1 << 61)
+        return (self.num_experts, self.world_size, h)
+
+    def _check_rank(self, rank: int) -> None:
+        if not _is_int(rank) or not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r}: expected 0 <= rank < world_size={self.world_size}")
+
+
+def _check_all_owned(owner: list[int], what: str) -> None:
+    for e, r in enumerate(owner):
+        if r < 0:
+            raise ValueError(f"{what}: expert {e} is not placed on any rank (every expert needs exactly one)")
+
+
+def as_placement(
+    expert_ranges: Placement | Sequence | torch.Tensor | Mapping, *, num_experts: int | None = None
+) -> Placement:
+    """Interpret the forms `ep_plan` accepts.
+
+    - a `Placement`;
+    - a list of (start, end) pairs, one per rank (contiguous ranges);
+    - a flat list / 1-D int tensor of length E, or a {expert: rank} dict (expert->rank map).
+    A rank->experts list of lists is ambiguous with ranges: use `Placement.from_rank_experts`.
+    `num_experts`, when given, must match the placement's E.
+    """
+    if isinstance(expert_ranges, Placement):
+        p = expert_ranges
+    elif isinstance(expert_ranges, (torch.Tensor, Mapping)):
+        p = Placement.from_map(expert_ranges, num_experts=num_experts)
+    elif isinstance(expert_ranges, Sequence) and not isinstance(expert_ranges, (str, bytes)):
+        if len(expert_ranges) and all(_is_int(v) for v in expert_ranges):
+            p = Placement.from_map(list(expert_ranges), num_experts=num_experts)
+        else:
+            p = Placement.from_ranges(expert_ranges, num_experts=num_experts)
+    else:
+        raise ValueError(
+            f"expert_ranges={expert_ranges!r}: expected a Placement, (start, end) per rank, "
+            f"or an expert->rank map"
+        )
+    if num_experts is not None and p.num_experts != num_experts:
+        raise ValueError(f"expert placement covers {p.num_experts} experts, expected num_experts={num_experts}")
+    return p
+
+
+@dataclass(frozen=True, eq=False)
+class EPPlan:
+    """One source rank's routing table: where each (token, slot) pair is computed.
+
+    All tensors live on the routing's device; building the plan reads nothing back to
+    the host (when `ep_plan(validate=False)`), so it can sit inside a CUDA graph.
+
+    dest_rank_TK:   int64 [T, K]; rank computing pair (t, k); -1 for a zero expert.
+    local_expert_TK:int64 [T, K]; the expert's index among its rank's experts; -1 for zero.
+    is_zero_TK:     bool [T, K]; id >= E: identity expert, stays on the source rank.
+    send_order_P:   int64 [P]; flat pair ids t*K+k sorted stably by destination rank, so
+                    rank r's pairs are send_order_P[send_offsets_R[r] : +send_counts_R[r]]
+                    in (token, slot) order; zero-expert pairs last.
+    inverse_P:      int64 [P]; inverse_P[p] = position of pair p in send_order_P (combine:
+                    y_P = y_sent[inverse_P]).
+    send_counts_R:  int64 [W]; pairs per destination (sum = P - zero pairs).
+    send_offsets_R: int64 [W]; exclusive prefix sum of send_counts_R.
+    world_size, num_experts, top_k: W, E, K.
+    """
+
+    dest_rank_TK: torch.Tensor
+    local_expert_TK: torch.Tensor
+    is_zero_TK: torch.Tensor
+    send_order_P: torch.Tensor
+    inverse_P: torch.Tensor
+    send_counts_R: torch.Tensor
+    send_offsets_R: torch.Tensor
+    world_size: int
+    num_experts: int
+    top_k: int
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.dest_rank_TK.shape[0])
+
+    @property
+    def num_pairs(self) -> int:
+        """P = T*K, including zero-expert pairs."""
+        return int(self.dest_rank_TK.numel())
+
+    # Host-side views (each reads the counts back: not for the static decode path).
+
+    def counts(self) -> list[int]:
+        """Pairs per destination rank (host read)."""
+        return [int(c) for c in self.send_counts_R.tolist()]
+
+    def num_zero_pairs(self) -> int:
+        return int(self.is_zero_TK.sum())
+
+    def local_count(self, rank: int) -> int:
+        """Pairs that stay on `rank` (the seed's `local_count`, zero experts excluded)."""
+        return self.counts()[rank]
+
+    def remote_count(self, rank: int) -> int:
+        """Pairs `rank` sends to other ranks (the seed's `remote_count`)."""
+        c = self.counts()
+        return sum(c) - c[rank]
+
+    def pairs_for(self, rank: int) -> torch.Tensor:
+        """int64 [n, 2] (token, slot) of the pairs going to `rank`, in (token, slot) order."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank={rank!r}: expected 0 <= rank < world_size={self.world_size}")
+        c = self.counts()
+        start = sum(c[:rank])
+        flat = self.send_order_P[start : start + c[rank]]
+        return torch.stack([flat // self.top_k, flat % self.top_k], dim=1)
+
+
+def ep_plan(
+    ids_TK: torch.Tensor,
+    weights_TK: torch.Tensor,
+    expert_ranges: Placement | Sequence | torch.Tensor | Mapping,
+    *,
+    num_experts: int | None = None,
+    num_zero_experts: int | None = None,
+    validate: bool = True,
+) -> EPPlan:
+    """Split one rank's T tokens' picks by destination rank (the seed's `build_ep_routing_table`).
+
+    ids_TK:        int32/int64 [T, K]; ids in [0, E) are routed experts, ids >= E are zero
+                   experts (identity; kept on the source rank, never sent).
+    weights_TK:    float [T, K]; only its shape is checked here (the weights travel with
+                   the rows in the dispatcher; the combine uses them on the source rank).
+    expert_ranges: see `as_placement`: (start, end) per rank, an expert->rank map, or a
+                   `Placement`.
+    num_experts:   E, checked against the placement when given (without it, an id just
+                   past a too-short placement would silently count as a zero expert).
+    num_zero_experts: Z; when given, ids >= E + Z are a ValueError.
+    validate:      check ids on the host (one device->host read). The static decode path
+                   passes False and must feed valid ids.
+    """
+    placement = as_placement(expert_ranges, num_experts=num_experts)
+    if not isinstance(ids_TK, torch.Tensor) or ids_TK.dim() != 2:
+        raise ValueError(f"ids_TK: expected a 2-D tensor [T, K], got {type(ids_TK).__name__} "
+                         f"{tuple(getattr(ids_TK, 'shape', ()))}")
+    if ids_TK.dtype not in (torch.int32, torch.int64):
+        raise TypeError(f"ids_TK.dtype={ids_TK.dtype}: expected torch.int32 or torch.int64")
+    if not isinstance(weights_TK, torch.Tensor) or weights_TK.shape != ids_TK.shape:
+        raise ValueError(
+            f"weights_TK: shape {tuple(getattr(weights_TK, 'shape', ()))}, expected {tuple(ids_TK.shape)} like ids_TK"
+        )
+    if not weights_TK.dtype.is_floating_point:
+        raise TypeError(f"weights_TK.dtype={weights_TK.dtype}: expected a floating dtype")
+    T, K = ids_TK.shape
+    E, W = placement.num_experts, placement.world_size
+    device = ids_TK.device
+    ids = ids_TK.to(torch.int64)
+    if validate and ids.numel():
+        neg = ids < 0
+        if bool(neg.any()):
+            t, k = (int(v) for v in neg.nonzero()[0])
+            raise ValueError(f"ids_TK[{t}, {k}]={int(ids[t, k])}: expert ids must be >= 0")
+        if num_zero_experts is not None:
+            over = ids >= E + num_zero_experts
+            if bool(over.any()):
+                t, k = (int(v) for v in over.nonzero()[0])
+                raise ValueError(
+                    f"ids_TK[{t}, {k}]={int(ids[t, k])}: expected < E + Z = {E} + {num_zero_experts}"
+                )
+    rank_of_E, local_index_E = placement.tensors(device)
+    is_zero = ids >= E
+    safe = ids.clamp(0, E - 1)  # index only; zero pairs are overwritten just below
+    dest = torch.where(is_zero, torch.full_like(ids, -1), rank_of_E[safe])
+    local = torch.where(is_zero, torch.full_like(ids, -1), local_index_E[safe])
+    # Zero-expert pairs sort after every rank (key W); stable sort keeps (token, slot) order
+    # inside each destination, which is what makes the receiver's rows come in
+    # (source rank, token, slot) order.
+    key_P = torch.where(is_zero, torch.full_like(dest, W), dest).reshape(-1)
+    send_order = torch.sort(key_P, stable=True).indices
+    inverse = torch.empty_like(send_order)
+    inverse[send_order] = torch.arange(send_order.numel(), device=device, dtype=send_order.dtype)
+    # scatter_add rather than bincount: bincount sizes its output from the data (a host sync).
+    counts = torch.zeros(W + 1, dtype=torch.int64, device=device)
+    counts.scatter_add_(0, key_P, torch.ones_like(key_P))
+    counts = counts[:W]
+    offsets = torch.cumsum(counts, 0) - counts
+    return EPPlan(
+        dest_rank_TK=dest,
+        local_expert_TK=local,
+        is_zero_TK=is_zero,
+        send_order_P=send_order,
+        inverse_P=inverse,
+        send_counts_R=counts,
+        send_offsets_R=offsets,
+        world_size=W,
+        num_experts=E,
+        top_k=int(K),
+    )
