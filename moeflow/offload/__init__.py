@@ -1,0 +1,47 @@
+"""Expert offloading: host store, device slot cache, eviction policies, next-layer prefetch, traces.
+
+    from moeflow.offload import OffloadConfig, attach_offload
+    runtime = attach_offload(moe_layers, OffloadConfig(gpu_slots=16, policy="predictive", prefetch_width=2))
+    ...
+    print(runtime.stats().snapshot())
+
+Modules: config (OffloadConfig), store (ExpertStore), cache (SlotTable, ExpertCache),
+policy (LRU, RandomOldest, Predictive, Belady), prefetch (Prefetcher), attach
+(attach_offload, OffloadRuntime), trace (record / replay / stats, `moeflow trace`).
+Names are imported lazily so `import moeflow.offload` stays light.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "OffloadConfig": "moeflow.offload.config",
+    "ExpertStore": "moeflow.offload.store",
+    "ExpertCache": "moeflow.offload.cache",
+    "SlotTable": "moeflow.offload.cache",
+    "CacheStats": "moeflow.offload.cache",
+    "Prefetcher": "moeflow.offload.prefetch",
+    "attach_offload": "moeflow.offload.attach",
+    "OffloadRuntime": "moeflow.offload.attach",
+    "Trace": "moeflow.offload.trace",
+    "record_trace": "moeflow.offload.trace",
+    "replay": "moeflow.offload.trace",
+    "trace_stats": "moeflow.offload.trace",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moeflow.offload' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,127 @@
+"""OffloadConfig: how many GPU expert slots, which eviction policy, how wide a prefetch.
+
+Legend: S slots (whole experts the device cache holds), L MoE layers, E routed
+experts per layer, K picks per token, W prediction width.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+POLICIES: tuple[str, ...] = ("lru", "random_oldest", "predictive")
+STORES: tuple[str, ...] = ("auto", "pinned", "mmap", "model")
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """Expert offloading for `patch_model(model, offload=...)` / `attach_offload(layers, config)`.
+
+    gpu_slots:      S, whole experts the device cache holds (shared by all layers). Must be
+                    >= K of every layer (one step's experts are pinned together) and >= 1.
+    policy:         eviction policy: "lru" (strict least recently used), "random_oldest"
+                    (uniform among the oldest `oldest_fraction` of the slots, seeded: the
+                    policy the seed's engine measured better than LRU for decode), or
+                    "predictive" (random_oldest that never evicts an expert the next-layer
+                    predictor wants while another candidate exists).
+    prefetch_width: W experts per token predicted for the next layer and copied ahead on a
+                    side stream (0: no prefetch copies). May exceed K.
+    predict_width:  experts per token the "predictive" policy protects when prefetch is off
+                    (None: prefetch_width if > 0, else the next layer's K).
+    device:         device of the slot cache ("cuda", "cuda:1", "cpu"; None: cuda when
+                    available, else cpu). CPU runs the same logic with host->host copies.
+    store:          where the experts live on the host: "pinned" (a copy in page-locked
+                    memory when CUDA is available, plain memory otherwise), "mmap" (memory-
+                    mapped safetensors, read lazily; needs `checkpoint`), "model" (the
+                    model's own tensors, no copy), "auto" (pinned when the copy fits in
+                    available host memory with a margin, else mmap when `checkpoint` is set,
+                    else model).
+    checkpoint:     a safetensors file or checkpoint directory, for store "mmap"/"auto".
+    oldest_fraction: share of the slots "random_oldest"/"predictive" draw victims from (~6%).
+    seed:           seed of the eviction RNG (runs are reproducible).
+    measure_wait:   time the compute stream's waits on copies with CUDA events (read back
+                    without host syncs, by event queries); off: wait time reads 0.
+    """
+
+    gpu_slots: int
+    policy: str = "lru"
+    prefetch_width: int = 0
+    predict_width: int | None = None
+    device: str | None = None
+    store: str = "auto"
+    checkpoint: str | None = None
+    oldest_fraction: float = 0.0625
+    seed: int = 0
+    measure_wait: bool = True
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.gpu_slots) or self.gpu_slots < 1:
+            raise ValueError(f"OffloadConfig.gpu_slots={self.gpu_slots!r}: expected an int >= 1 (whole experts)")
+        if self.policy not in POLICIES:
+            raise ValueError(f"OffloadConfig.policy={self.policy!r}: expected one of {POLICIES}")
+        if not _is_int(self.prefetch_width) or self.prefetch_width < 0:
+            raise ValueError(
+                f"OffloadConfig.prefetch_width={self.prefetch_width!r}: expected an int >= 0 (0 turns prefetch off)"
+            )
+        if self.predict_width is not None and (not _is_int(self.predict_width) or self.predict_width < 1):
+            raise ValueError(f"OffloadConfig.predict_width={self.predict_width!r}: expected None or an int >= 1")
+        if self.device is not None and not isinstance(self.device, str):
+            raise TypeError(f"OffloadConfig.device={self.device!r}: expected a str like 'cuda' or 'cpu', or None")
+        if self.store not in STORES:
+            raise ValueError(f"OffloadConfig.store={self.store!r}: expected one of {STORES}")
+        if self.store == "mmap" and self.checkpoint is None:
+            raise ValueError("OffloadConfig.checkpoint=None: store='mmap' needs a safetensors file or directory")
+        if self.checkpoint is not None and not isinstance(self.checkpoint, str):
+            raise TypeError(f"OffloadConfig.checkpoint={self.checkpoint!r}: expected a path str or None")
+        f = self.oldest_fraction
+        if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
+            raise ValueError(f"OffloadConfig.oldest_fraction={f!r}: expected a float in (0, 1]")
+        if not _is_int(self.seed):
+            raise ValueError(f"OffloadConfig.seed={self.seed!r}: expected an int")
+        if not isinstance(self.measure_wait, bool):
+            raise TypeError(f"OffloadConfig.measure_wait={self.measure_wait!r}: expected a bool")
+
+    def check_layers(self, top_ks: list[int], num_experts: list[int]) -> None:
+        """ValueError when the slots cannot hold one step of the widest layer.
+
+        One layer's step pins its distinct experts together: up to min(T*K, E) of
+        them. At decode (T = 1) that is K, so S >= K is the hard floor; a prefill
+        of many tokens that touches more distinct experts than S is run in chunks
+        by the offload wrapper.
+        """
+        if not top_ks:
+            raise ValueError("layers: empty, expected at least one MoE layer to offload")
+        k_max = max(top_ks)
+        if self.gpu_slots < k_max:
+            raise ValueError(
+                f"OffloadConfig.gpu_slots={self.gpu_slots}: fewer slots than the K={k_max} experts one "
+                f"token uses in one layer; expected gpu_slots >= {k_max}"
+            )
+        e_min = min(num_experts)
+        if self.prefetch_width > e_min:
+            raise ValueError(
+                f"OffloadConfig.prefetch_width={self.prefetch_width}: exceeds the E={e_min} experts of a layer"
+            )
+        if self.predict_width is not None and self.predict_width > e_min:
+            raise ValueError(
+                f"OffloadConfig.predict_width={self.predict_width}: exceeds the E={e_min} experts of a layer"
+            )
+
+    def resolved_device(self) -> str:
+        """The cache device: `device`, or cuda when available, else cpu."""
+        if self.device is not None:
+            return self.device
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+
+    def prediction_width(self, top_k: int) -> int:
+        """Experts per token the predictor ranks for the next layer (0: no prediction needed)."""
+        if self.prefetch_width > 0:
+            return self.prefetch_width
+        if self.policy == "predictive":
+            return self.predict_width if self.predict_width is not None else top_k
+        return 0

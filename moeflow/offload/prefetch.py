@@ -1,0 +1,82 @@
+"""Prefetcher: the next layer's router on this layer's input -> protected keys and early copies.
+
+Legend: T tokens, H hidden, E routed experts of the next layer, W prediction
+width (experts per token; may exceed K), L offloaded layers.
+
+Seed 004's predict_launch / predict_select: after layer l routes, run layer
+l+1's router weight on layer l's input (one extra GEMV, `predict_next_ids`),
+rank by l+1's selection key, and take the best W per token as (l+1, expert)
+cache keys. The device ids are read back together with layer l's own routing
+ids (one read-back per layer, the one routing already needs), then:
+    - the cache protects them: a prefetch never evicts a wanted key, and the
+      "predictive" policy spares them on demand misses too;
+    - when prefetch is on, the missing ones are copied on the side stream while
+      layer l computes; layer l+1 waits only on the events of the slots it reads.
+The last layer predicts nothing (the next token's first layer input is unknown).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from ..routing.predict import predict_next_ids
+from .policy import Key
+
+
+class Prefetcher:
+    """Next-layer prediction for a list of MoELayers sharing one ExpertCache.
+
+    layers:   the offloaded MoELayers in model order (position = cache layer index).
+    cache:    the ExpertCache (or None: prediction only, e.g. trace recording).
+    width:    W experts per token to predict (0: predict nothing).
+    prefetch: issue copies of the predicted missing experts (else only protect them).
+    """
+
+    def __init__(self, layers: Sequence, cache, *, width: int, prefetch: bool) -> None:
+        self.layers = list(layers)
+        self.cache = cache
+        self.width = int(width)
+        self.prefetch_enabled = bool(prefetch) and self.width > 0
+        self.issued_last = 0
+
+    def predict_ids(self, pos: int, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """int32 [T, W] device ids of layer pos+1 predicted from layer pos's input (None: nothing)."""
+        if self.width <= 0 or pos + 1 >= len(self.layers):
+            return None
+        nxt = self.layers[pos + 1]
+        w = min(self.width, nxt.config.num_experts)
+        return predict_next_ids(
+            nxt.router_input(x_TH),
+            nxt._tensor("router_weight"),
+            nxt.config.router,
+            bias=nxt._tensor("selection_bias"),
+            width=w,
+            router_bias_E=nxt._tensor("router_bias"),
+        )
+
+    @staticmethod
+    def keys(pos: int, pred_rows: Sequence[Sequence[int]] | None) -> list[Key]:
+        """Distinct (pos+1, expert) keys of the predicted rows, best ranks first across tokens."""
+        if not pred_rows:
+            return []
+        out: dict[Key, None] = {}
+        width = max(len(r) for r in pred_rows)
+        for rank in range(width):  # interleave by rank so a truncated prefetch keeps every token's best
+            for row in pred_rows:
+                if rank < len(row):
+                    out[(pos + 1, int(row[rank]))] = None
+        return list(out)
+
+    def protect(self, keys: Sequence[Key]) -> None:
+        if self.cache is not None:
+            self.cache.protect(keys)
+
+    def issue(self, keys: Sequence[Key]) -> int:
+        """Start the copies of the predicted keys not yet resident; returns how many."""
+        if not self.prefetch_enabled or self.cache is None or not keys:
+            self.issued_last = 0
+            return 0
+        self.issued_last = self.cache.prefetch(keys)
+        return self.issued_last

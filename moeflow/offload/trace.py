@@ -1,0 +1,531 @@
+"""Routing traces: record them from a patched model, replay them through the slot cache, measure them.
+
+Legend: L MoE layers (positions in model order), E routed experts per layer, K
+picks per token, W recorded prediction width, T tokens of one forward pass, S slots.
+A key is (layer, expert).
+
+File format (JSON lines, optionally .gz): the first line is the header
+    {"moeflow_trace": 1, "num_layers": L, "num_experts": [E..], "top_k": [K..],
+     "pred_width": W, "expert_bytes": B, "meta": {...}}
+then one line per layer step, in execution order:
+    {"p": pass, "l": layer, "ids": [[K ids] x T], "pred": [[W ids] x T] | null}
+`pred` of layer l holds the predicted ids of layer l + 1 (the next layer's router
+on layer l's input, best first; the last layer has none). A pass is one forward
+of the model (prefill: T > 1 rows; decode: T = 1). `Trace.as_decode()` splits a
+prefill pass into one pass per token (a causal model routes row t the same way
+whether it is prefilled or decoded), the shape a decode cache sees.
+
+`replay(trace, slots, policy, prefetch)` runs the live cache's SlotTable on the
+trace step by step, in the live runtime's order (protect predictions -> pin and
+load this step's experts -> prefetch the predicted ones), so its counts are the
+live cache's counts. "belady" evicts the key used furthest ahead and never
+prefetches: no policy, with or without prefetch, copies fewer experts.
+
+CLI (`moeflow trace ...` calls `main`):
+    moeflow trace replay PATH --slots 8 16 24 --policy lru random_oldest predictive belady --prefetch 0 2
+    moeflow trace stats PATH
+    moeflow trace record MODEL_DIR --out PATH [--text FILE] [--tokens N] [--width W]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import math
+import os
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .cache import SlotTable
+from .policy import Belady, Key, make_policy
+
+TRACE_VERSION = 1
+REPLAY_POLICIES = ("lru", "random_oldest", "predictive", "belady")
+
+
+@dataclass
+class Step:
+    """One layer step: `ids` [T][K] of layer `layer`, `pred` [T][W] of layer + 1 (or None)."""
+
+    pass_idx: int
+    layer: int
+    ids: list[list[int]]
+    pred: list[list[int]] | None = None
+
+
+@dataclass
+class Trace:
+    """A routing trace (see module doc)."""
+
+    num_layers: int
+    num_experts: list[int]
+    top_k: list[int]
+    pred_width: int = 0
+    expert_bytes: int = 0
+    meta: dict = field(default_factory=dict)
+    steps: list[Step] = field(default_factory=list)
+
+    # ---- io ------------------------------------------------------------------------------
+    def save(self, path: str | os.PathLike) -> None:
+        path = os.fspath(path)
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "wt") as f:
+            f.write(json.dumps({"moeflow_trace": TRACE_VERSION, "num_layers": self.num_layers,
+                                "num_experts": self.num_experts, "top_k": self.top_k,
+                                "pred_width": self.pred_width, "expert_bytes": self.expert_bytes,
+                                "meta": self.meta}) + "\n")
+            for s in self.steps:
+                f.write(json.dumps({"p": s.pass_idx, "l": s.layer, "ids": s.ids, "pred": s.pred},
+                                   separators=(",", ":")) + "\n")
+
+    @classmethod
+    def load(cls, path: str | os.PathLike) -> Trace:
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"trace {path!r} does not exist")
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rt") as f:
+            first = f.readline()
+            try:
+                head = json.loads(first)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{path}: line 1 is not JSON ({exc}); expected a moeflow trace header") from exc
+            if not isinstance(head, dict) or head.get("moeflow_trace") != TRACE_VERSION:
+                raise ValueError(f"{path}: line 1 is not a moeflow trace header (version {TRACE_VERSION})")
+            t = cls(num_layers=int(head["num_layers"]), num_experts=list(head["num_experts"]),
+                    top_k=list(head["top_k"]), pred_width=int(head.get("pred_width", 0)),
+                    expert_bytes=int(head.get("expert_bytes", 0)), meta=dict(head.get("meta", {})))
+            for n, line in enumerate(f, start=2):
+                if not line.strip():
+                    continue
+                r = json.loads(line)
+                layer = int(r["l"])
+                if not 0 <= layer < t.num_layers:
+                    raise ValueError(f"{path}:{n}: layer {layer} outside [0, {t.num_layers})")
+                t.steps.append(Step(int(r["p"]), layer, r["ids"], r.get("pred")))
+        return t
+
+    # ---- views ---------------------------------------------------------------------------
+    def as_decode(self) -> Trace:
+        """The same routing with every pass split into single-token passes (token-major order)."""
+        out = Trace(self.num_layers, list(self.num_experts), list(self.top_k), self.pred_width,
+                    self.expert_bytes, dict(self.meta))
+        passes: dict[int, list[Step]] = {}
+        for s in self.steps:
+            passes.setdefault(s.pass_idx, []).append(s)
+        p = 0
+        for idx in sorted(passes):
+            steps = passes[idx]
+            T = len(steps[0].ids)
+            for t in range(T):
+                for s in steps:
+                    out.steps.append(Step(p, s.layer, [s.ids[t]], None if s.pred is None else [s.pred[t]]))
+                p += 1
+        return out
+
+    def tokens(self) -> list[dict[int, list[int]]]:
+        """Per token (pass-major, row order): layer -> ids."""
+        out: list[dict[int, list[int]]] = []
+        passes: dict[int, list[Step]] = {}
+        for s in self.steps:
+            passes.setdefault(s.pass_idx, []).append(s)
+        for idx in sorted(passes):
+            steps = passes[idx]
+            for t in range(len(steps[0].ids)):
+                out.append({s.layer: s.ids[t] for s in steps})
+        return out
+
+
+# ---- recording ------------------------------------------------------------------------------
+
+
+class TraceRecorder:
+    """Records every MoELayer step of a (patched, optionally offloaded) model into a Trace.
+
+    Hooks: a forward pre-hook keeps each layer's input; a forward hook reads
+    `layer.last_routing` (the real expert ids, also when offloaded) and, when
+    width > 0, runs the next layer's router on that input (predict_next_ids). It
+    reads ids back to the host (a sync per layer): a tracing tool, not the fast path.
+    """
+
+    def __init__(self, layers: Sequence, *, width: int | None = None, meta: dict | None = None) -> None:
+        from ..routing.predict import predict_next_ids
+
+        self._predict = predict_next_ids
+        self.layers = list(layers)
+        if not self.layers:
+            raise ValueError("layers: empty, expected the model's MoELayers")
+        k_max = max(layer.config.top_k for layer in self.layers)
+        e_min = min(layer.config.num_experts for layer in self.layers)
+        self.width = min(2 * k_max if width is None else int(width), e_min)
+        w0 = self.layers[0]
+        expert_bytes = 0
+        store = getattr(getattr(w0, "offload", None), "store", None)
+        if store is not None:
+            expert_bytes = store.expert_bytes
+        else:
+            try:
+                w = w0.expert_weights
+                expert_bytes = (w.gate_up[0].numel() + w.down[0].numel()) * w.gate_up.element_size()
+            except ValueError:
+                expert_bytes = 0
+        self.trace = Trace(len(self.layers), [m.config.num_experts for m in self.layers],
+                           [m.config.top_k for m in self.layers], self.width, expert_bytes, dict(meta or {}))
+        self._pass = -1
+        self._last_layer = len(self.layers)
+        self._inputs: dict[int, torch.Tensor] = {}
+        self._handles: list = []
+
+    def __enter__(self) -> TraceRecorder:
+        for pos, layer in enumerate(self.layers):
+            self._handles.append(layer.register_forward_pre_hook(self._pre(pos), with_kwargs=True))
+            self._handles.append(layer.register_forward_hook(self._post(pos)))
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, pos: int):
+        def hook(module, args, kwargs):
+            x = args[0] if args else kwargs["x"]
+            self._inputs[pos] = x.reshape(-1, x.shape[-1]).detach()
+            return None
+
+        return hook
+
+    def _post(self, pos: int):
+        def hook(module, args, output):
+            routing = module.last_routing
+            if pos <= self._last_layer:
+                self._pass += 1
+            self._last_layer = pos
+            ids = routing.ids_TK.cpu().tolist()
+            pred = None
+            if self.width > 0 and pos + 1 < len(self.layers):
+                nxt = self.layers[pos + 1]
+                x_TH = self._inputs.pop(pos)
+                with torch.no_grad():
+                    p = self._predict(nxt.router_input(x_TH), nxt._tensor("router_weight"), nxt.config.router,
+                                      bias=nxt._tensor("selection_bias"), width=self.width,
+                                      router_bias_E=nxt._tensor("router_bias"))
+                pred = p.cpu().tolist()
+            self.trace.steps.append(Step(self._pass, pos, ids, pred))
+
+        return hook
+
+
+def find_moe_layers(model) -> list:
+    """The MoELayers of a patched model, in module (= layer) order."""
+    from ..layer import MoELayer
+
+    return [m for m in model.modules() if isinstance(m, MoELayer)]
+
+
+def record_trace(model_or_layers, *, width: int | None = None, meta: dict | None = None) -> TraceRecorder:
+    """A recorder context for a patched model (or a list of MoELayers): `with record_trace(m) as r: ...`."""
+    layers = model_or_layers if isinstance(model_or_layers, (list, tuple)) else find_moe_layers(model_or_layers)
+    if not layers:
+        raise ValueError("model: no MoELayer found; patch it first (moeflow.patch_model)")
+    return TraceRecorder(layers, width=width, meta=meta)
+
+
+# ---- replay ---------------------------------------------------------------------------------
+
+
+@dataclass
+class ReplayResult:
+    """Counts of one replay (bytes use the trace's expert_bytes)."""
+
+    policy: str
+    slots: int
+    prefetch: int
+    steps: int
+    tokens: int
+    hits: int
+    misses: int
+    prefetch_issued: int
+    prefetch_used: int
+    prefetch_wasted: int
+    bytes_copied: int
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Prefetched experts used before eviction / prefetches decided (used + wasted)."""
+        d = self.prefetch_used + self.prefetch_wasted
+        return self.prefetch_used / d if d else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Of the experts that had to come from the host, the share a prefetch brought in time."""
+        d = self.prefetch_used + self.misses
+        return self.prefetch_used / d if d else 0.0
+
+    @property
+    def misses_per_token(self) -> float:
+        return self.misses / self.tokens if self.tokens else 0.0
+
+    def as_dict(self) -> dict:
+        d = dict(self.__dict__)
+        d.update(hit_rate=self.hit_rate, prefetch_precision=self.prefetch_precision,
+                 prefetch_recall=self.prefetch_recall, misses_per_token=self.misses_per_token)
+        return d
+
+
+def _step_keys(step: Step, num_experts: int) -> list[Key]:
+    return sorted({(step.layer, e) for row in step.ids for e in row if e < num_experts})
+
+
+def _pred_keys(step: Step, width: int) -> list[Key]:
+    from .prefetch import Prefetcher
+
+    if step.pred is None or width <= 0:
+        return []
+    return Prefetcher.keys(step.layer, [row[:width] for row in step.pred])
+
+
+def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, seed: int = 0,
+           oldest_fraction: float = 0.0625, predict_width: int | None = None) -> ReplayResult:
+    """Simulate a cache of `slots` experts with `policy` on `trace`; prefetch = width (0: off).
+
+    Mirrors OffloadRuntime.forward_layer: protect the predicted keys of the next layer,
+    pin + load this step's experts (in groups of <= slots when a step needs more), then
+    prefetch the predicted missing ones. "predictive" protects `predict_width` (default:
+    prefetch if > 0, else K) predictions. "belady" ignores prefetch.
+    """
+    if policy not in REPLAY_POLICIES:
+        raise ValueError(f"policy={policy!r}: expected one of {REPLAY_POLICIES}")
+    if not isinstance(slots, int) or slots < max(trace.top_k):
+        raise ValueError(f"slots={slots!r}: expected an int >= K={max(trace.top_k)}")
+    if not isinstance(prefetch, int) or prefetch < 0 or prefetch > trace.pred_width:
+        raise ValueError(f"prefetch={prefetch}: expected 0..{trace.pred_width} (the trace's recorded pred_width)")
+    keys_per_step = [_step_keys(s, trace.num_experts[s.layer]) for s in trace.steps]
+    if policy == "belady":
+        prefetch = 0
+        uses: dict[Key, list[int]] = {}
+        for i, ks in enumerate(keys_per_step):
+            for k in ks:
+                uses.setdefault(k, []).append(i)
+        ptr = dict.fromkeys(uses, 0)
+        now = [0]
+
+        def next_use(key: Key) -> float:
+            lst = uses.get(key)
+            if not lst:
+                return math.inf
+            j = ptr[key]
+            while j < len(lst) and lst[j] <= now[0]:
+                j += 1
+            ptr[key] = j
+            return lst[j] if j < len(lst) else math.inf
+
+        pol = Belady(next_use)
+    else:
+        pol = make_policy(policy, slots, fraction=oldest_fraction, seed=seed)
+    if prefetch > 0:
+        width = prefetch
+    elif policy == "predictive":
+        width = predict_width if predict_width is not None else max(trace.top_k)
+    else:
+        width = 0
+    table = SlotTable(slots, pol, trace.expert_bytes)
+    tokens = 0
+    last_pass = None
+    for i, (step, keys) in enumerate(zip(trace.steps, keys_per_step)):
+        if policy == "belady":
+            now[0] = i
+        if step.pass_idx != last_pass:
+            tokens += len(step.ids)
+            last_pass = step.pass_idx
+        table.protected = frozenset(_pred_keys(step, width))
+        for g in range(0, max(1, len(keys)), slots):
+            table.begin_step()
+            table.acquire(keys[g : g + slots])
+        if prefetch > 0:
+            table.prefetch(_pred_keys(step, prefetch))
+    s = table.stats
+    return ReplayResult(policy, slots, prefetch, len(trace.steps), tokens, s.hits, s.misses, s.prefetch_issued,
+                        s.prefetch_used, s.prefetch_wasted, s.bytes_copied)
+
+
+# ---- statistics -----------------------------------------------------------------------------
+
+
+def trace_stats(trace: Trace) -> dict:
+    """Prediction recall at widths K and 2K, expert reuse between consecutive tokens, load skew.
+
+    recall@W: per (token, layer l >= 1), |pred_W(l) ∩ actual(l)| / K, where pred_W is the
+    W best of layer l's prediction made at layer l - 1; random guessing gives W / E.
+    reuse: per layer, |ids(t) ∩ ids(t-1)| / K over consecutive tokens; independent uniform
+    routing gives K / E.
+    load skew: per layer, max load / mean load, the coefficient of variation of the loads,
+    and the share of picks taken by the top quarter of the experts.
+    """
+    K = max(trace.top_k)
+    E = min(trace.num_experts)
+    toks = trace.tokens()
+    preds: list[dict[int, list[int]]] = []
+    passes: dict[int, list[Step]] = {}
+    for s in trace.steps:
+        passes.setdefault(s.pass_idx, []).append(s)
+    for idx in sorted(passes):
+        steps = passes[idx]
+        for t in range(len(steps[0].ids)):
+            preds.append({s.layer + 1: s.pred[t] for s in steps if s.pred is not None})
+    out: dict = {"tokens": len(toks), "layers": trace.num_layers, "experts": E, "top_k": K,
+                 "pred_width": trace.pred_width}
+    for name, W in (("recall_at_K", K), ("recall_at_2K", 2 * K)):
+        if W > trace.pred_width:
+            out[name] = None
+            continue
+        hit = tot = 0
+        per_layer: dict[int, list[int]] = {}
+        for tok, pr in zip(toks, preds):
+            for layer, ids in tok.items():
+                p = pr.get(layer)
+                if p is None:
+                    continue
+                h = len(set(p[:W]) & set(ids))
+                hit += h
+                tot += len(ids)
+                acc = per_layer.setdefault(layer, [0, 0])
+                acc[0] += h
+                acc[1] += len(ids)
+        out[name] = hit / tot if tot else None
+        out[name + "_per_layer"] = {str(k): v[0] / v[1] for k, v in sorted(per_layer.items())}
+        out[name + "_random"] = W / E
+    reuse_hit = reuse_tot = 0
+    reuse_layer: dict[int, list[int]] = {}
+    for prev, cur in zip(toks, toks[1:]):
+        for layer, ids in cur.items():
+            if layer in prev:
+                h = len(set(ids) & set(prev[layer]))
+                reuse_hit += h
+                reuse_tot += len(ids)
+                acc = reuse_layer.setdefault(layer, [0, 0])
+                acc[0] += h
+                acc[1] += len(ids)
+    out["reuse_consecutive"] = reuse_hit / reuse_tot if reuse_tot else None
+    out["reuse_consecutive_per_layer"] = {str(k): v[0] / v[1] for k, v in sorted(reuse_layer.items())}
+    out["reuse_random"] = K / E
+    skew = {}
+    for layer in range(trace.num_layers):
+        c = Counter(e for tok in toks for e in tok.get(layer, []))
+        loads = [c.get(e, 0) for e in range(trace.num_experts[layer])]
+        total = sum(loads)
+        if not total:
+            continue
+        mean = total / len(loads)
+        var = sum((x - mean) ** 2 for x in loads) / len(loads)
+        top = sorted(loads, reverse=True)[: max(1, len(loads) // 4)]
+        skew[str(layer)] = {"max_over_mean": max(loads) / mean, "cv": math.sqrt(var) / mean,
+                            "top_quarter_share": sum(top) / total, "loads": loads}
+    out["load_skew"] = skew
+    return out
+
+
+# ---- CLI ------------------------------------------------------------------------------------
+
+
+def _format_table(rows: Iterable[ReplayResult]) -> str:
+    head = f"{'policy':<14}{'slots':>6}{'prefetch':>9}{'hit_rate':>9}{'miss/tok':>9}{'pf_prec':>8}{'pf_rec':>8}" \
+           f"{'MB_copied':>11}"
+    lines = [head, "-" * len(head)]
+    for r in rows:
+        lines.append(f"{r.policy:<14}{r.slots:>6}{r.prefetch:>9}{r.hit_rate:>9.3f}{r.misses_per_token:>9.3f}"
+                     f"{r.prefetch_precision:>8.3f}{r.prefetch_recall:>8.3f}{r.bytes_copied / 1e6:>11.2f}")
+    return "\n".join(lines)
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    trace = Trace.load(args.path)
+    if args.decode:
+        trace = trace.as_decode()
+    rows = []
+    for slots in args.slots:
+        for policy in args.policy:
+            for pf in args.prefetch:
+                if policy == "belady" and pf:
+                    continue
+                rows.append(replay(trace, slots, policy, pf, seed=args.seed))
+    print(_format_table(rows))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([r.as_dict() for r in rows], f, indent=1)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    trace = Trace.load(args.path)
+    print(json.dumps(trace_stats(trace), indent=1))
+    return 0
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    from ..hf import patch_model
+
+    try:
+        from transformers import AutoModelForCausalLM
+    except ImportError as exc:  # pragma: no cover - transformers is a dependency
+        raise ValueError("trace record needs transformers") from exc
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
+    model.eval()
+    patch_model(model)
+    if args.text:
+        with open(args.text, "rb") as f:
+            data = f.read()
+    else:
+        data = args.prompt.encode()
+    ids = (torch.frombuffer(bytearray(data), dtype=torch.uint8).long() + 3)[: args.tokens]  # ByT5 byte ids
+    with torch.no_grad(), record_trace(model, width=args.width, meta={"model": args.model}) as rec:
+        for start in range(0, ids.numel(), args.ctx):
+            model(input_ids=ids[start : start + args.ctx].unsqueeze(0))
+    rec.trace.save(args.out)
+    print(f"wrote {args.out}: {len(rec.trace.steps)} layer steps, {ids.numel()} tokens")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`moeflow trace {replay,stats,record} ...`."""
+    p = argparse.ArgumentParser(prog="moeflow trace", description="routing traces: replay, stats, record")
+    sub = p.add_subparsers(dest="action", required=True)
+    r = sub.add_parser("replay", help="simulate cache sizes and policies on a trace")
+    r.add_argument("path")
+    r.add_argument("--slots", type=int, nargs="+", required=True)
+    r.add_argument("--policy", nargs="+", default=["lru"], choices=REPLAY_POLICIES)
+    r.add_argument("--prefetch", type=int, nargs="+", default=[0], help="prefetch widths (0: off)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--decode", action="store_true", help="split prefill passes into one pass per token")
+    r.add_argument("--json", default=None, help="also write the rows as JSON")
+    r.set_defaults(func=_cmd_replay)
+    s = sub.add_parser("stats", help="prediction recall, reuse between tokens, load skew")
+    s.add_argument("path")
+    s.set_defaults(func=_cmd_stats)
+    c = sub.add_parser("record", help="record a trace from a checkpoint (byte-level ByT5 ids) on a text")
+    c.add_argument("model")
+    c.add_argument("--out", required=True)
+    c.add_argument("--text", default=None, help="a file whose bytes are the input (default: --prompt)")
+    c.add_argument("--prompt", default="def main(argv=None):\n    ")
+    c.add_argument("--tokens", type=int, default=2048)
+    c.add_argument("--ctx", type=int, default=128)
+    c.add_argument("--width", type=int, default=None, help="prediction width to record (default 2K)")
+    c.set_defaults(func=_cmd_record)
+    args = p.parse_args(list(argv) if argv is not None else None)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

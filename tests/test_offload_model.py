@@ -1,0 +1,237 @@
+"""Offloaded models give the resident model's outputs bit for bit, for every policy and family (CPU).
+
+Legend: L layers, H hidden, I intermediate per expert, E routed experts, Z zero
+experts, K picks per token, S slots, T tokens.
+
+The model is a residual stack x <- x + moe_l(x) of MoELayers; the offloaded copy
+serves its experts from an ExpertStore through S slots (S < L*E, so experts are
+evicted and copied back constantly).
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from moeflow.config import ExpertWeights, MoEConfig
+from moeflow.layer import MoELayer
+from moeflow.offload.attach import attach_offload
+from moeflow.offload.config import OffloadConfig
+from moeflow.routing.spec import RouterSpec
+from moeflow.testing import assert_bitwise_equal
+
+L, H, I, E = 4, 32, 16, 8
+
+
+class _MLP(nn.Module):
+    def __init__(self, g: torch.Generator):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.randn(24, H, generator=g) * 0.1)
+        self.w2 = nn.Parameter(torch.randn(H, 24, generator=g) * 0.1)
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1.T) @ self.w2.T
+
+
+def _layer(family: str, idx: int, g: torch.Generator) -> MoELayer:
+    def p(*shape, scale=0.2):
+        return nn.Parameter(torch.randn(*shape, generator=g) * scale)
+
+    kw: dict = {}
+    Z = 0
+    if family == "mixtral":
+        spec = RouterSpec(score_fn="softmax", num_experts=E, top_k=2, renorm=True)
+        cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=spec, activation="silu")
+    elif family == "deepseek":
+        spec = RouterSpec(score_fn="sigmoid", num_experts=E, top_k=3, renorm=True, renorm_eps=1e-20,
+                          scaling_factor=2.5, n_group=4, topk_group=2, use_bias=True)
+        cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=spec, activation="silu")
+        kw = dict(selection_bias_E=p(E, scale=0.05), shared_expert=_MLP(g))
+    elif family == "gpt_oss":
+        spec = RouterSpec(score_fn="topk_softmax", num_experts=E, top_k=2)
+        cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=spec, activation="gptoss", swiglu_limit=7.0,
+                        layout="matmul", interleaved=True, expert_bias=True)
+        kw = dict(router_bias_E=p(E, scale=0.1))
+    elif family == "longcat":
+        Z = 2
+        spec = RouterSpec(score_fn="softmax", num_experts=E, top_k=2, num_zero_experts=Z)
+        cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=spec, activation="silu")
+    elif family == "llama4":
+        spec = RouterSpec(score_fn="topk_sigmoid", num_experts=E, top_k=1, weight_on_input=True)
+        cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=spec, activation="silu")
+        kw = dict(shared_expert=_MLP(g))
+    else:
+        raise AssertionError(family)
+    if cfg.layout == "linear":
+        w = ExpertWeights(p(E, 2 * I, H), p(E, H, I))
+    else:
+        w = ExpertWeights(p(E, H, 2 * I), p(E, I, H), p(E, 2 * I, scale=0.05), p(E, H, scale=0.05),
+                          layout="matmul", interleaved=True)
+    return MoELayer(cfg, router_weight_EH=p(E + Z, H, scale=1.0), experts=w, layer_idx=idx, **kw)
+
+
+def _model(family: str, seed: int = 0) -> nn.ModuleList:
+    g = torch.Generator().manual_seed(seed)
+    return nn.ModuleList([_layer(family, i, g) for i in range(L)])
+
+
+def _run(layers, x):
+    for m in layers:
+        x = x + m(x)
+    return x
+
+
+def _inputs(seed: int, n_decode: int = 10, n_prefill: int = 9):
+    """A decode-like sequence (correlated consecutive tokens: real reuse) and one prefill batch."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(1, H, generator=g)
+    seq = []
+    for _ in range(n_decode):
+        x = 0.8 * x + 0.6 * torch.randn(1, H, generator=g)
+        seq.append(x.clone())
+    return seq, torch.randn(n_prefill, H, generator=g)
+
+
+@pytest.fixture(autouse=True)
+def _no_grad():
+    with torch.no_grad():
+        yield
+
+
+FAMILIES = ["mixtral", "deepseek", "gpt_oss", "longcat", "llama4"]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("policy", ["lru", "random_oldest", "predictive"])
+@pytest.mark.parametrize("prefetch", [0, 3])
+def test_offloaded_output_is_bitwise_resident(family, policy, prefetch):
+    ref = _model(family)
+    off = copy.deepcopy(ref)
+    K = ref[0].config.top_k
+    slots = max(K, 4)  # 4 of the 32 experts: constant eviction
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=prefetch,
+                                                 device="cpu", oldest_fraction=0.5), progress=False)
+    seq, prefill = _inputs(1)
+    for x in seq:
+        assert_bitwise_equal(_run(off, x), _run(ref, x), what=f"{family} decode")
+    # 9 tokens x K picks touch more distinct experts than 4 slots: the chunked path
+    assert_bitwise_equal(_run(off, prefill), _run(ref, prefill), what=f"{family} prefill")
+    distinct = [len({int(e) for e in m.last_routing.ids_TK.flatten() if e < E}) for m in ref]
+    assert max(distinct) > slots, f"the prefill should need more experts than slots: {distinct}"
+    for a, b in zip(off, ref):
+        assert torch.equal(a.last_routing.ids_TK, b.last_routing.ids_TK), "last_routing keeps expert ids"
+    s = rt.stats()
+    rt.cache.table.check_invariants()
+    assert s.misses > 0 and s.evictions > 0
+    if prefetch:
+        assert s.prefetch_issued > 0
+    else:
+        assert s.prefetch_issued == 0
+    assert s.bytes_copied == (s.misses + s.prefetch_issued) * rt.store.expert_bytes
+    assert off[0].gate_up.numel() == 0, "the layer's expert storage was released to the store"
+
+
+def test_large_cache_hits_after_warmup_and_releases_nothing_with_release_false():
+    ref = _model("mixtral", seed=3)
+    off = copy.deepcopy(ref)
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=L * E, device="cpu"), release=False, progress=False)
+    assert off[0].gate_up.numel() == E * 2 * I * H
+    seq, _ = _inputs(2, n_decode=30)
+    for x in seq:
+        assert_bitwise_equal(_run(off, x), _run(ref, x))
+    s = rt.stats()
+    assert s.evictions == 0 and s.misses <= L * E and s.hits + s.misses == 30 * L * 2
+
+
+def test_prefetch_hits_a_predictable_next_layer():
+    # Every layer has the same router, and the residual update is tiny: layer l+1 routes
+    # (almost) as its router predicts from layer l's input, so prefetched experts get used.
+    g = torch.Generator().manual_seed(5)
+    layers = _model("mixtral", seed=5)
+    for m in layers:
+        m.router_weight.copy_(layers[0].router_weight)
+        m.down.mul_(1e-3)
+    ref = copy.deepcopy(layers)
+    rt = attach_offload(list(layers), OffloadConfig(gpu_slots=4, policy="predictive", prefetch_width=2,
+                                                    device="cpu"), progress=False)
+    for _ in range(12):
+        x = torch.randn(1, H, generator=g)
+        assert_bitwise_equal(_run(layers, x), _run(ref, x))
+    s = rt.stats()
+    assert s.prefetch_used >= 0.8 * s.prefetch_issued > 0
+    assert s.prefetch_precision > 0.8
+
+
+def test_attach_errors():
+    m = _model("deepseek")  # K = 3
+    with pytest.raises(ValueError, match="OffloadConfig.gpu_slots=2: fewer slots than the K=3"):
+        attach_offload(list(m), OffloadConfig(gpu_slots=2, device="cpu"), progress=False)
+    with pytest.raises(ValueError, match="OffloadConfig.prefetch_width=9"):
+        attach_offload(list(m), OffloadConfig(gpu_slots=4, prefetch_width=9, device="cpu"), progress=False)
+    with pytest.raises(TypeError, match="OffloadConfig"):
+        attach_offload(list(m), {"gpu_slots": 4})
+    attach_offload(list(m), OffloadConfig(gpu_slots=4, device="cpu"), progress=False)
+    with pytest.raises(ValueError, match="already offloaded"):
+        attach_offload(list(m), OffloadConfig(gpu_slots=4, device="cpu"), progress=False)
+    meta = _model("mixtral")
+    attach_offload(list(meta), OffloadConfig(gpu_slots=4, device="meta"), progress=False)
+    with pytest.raises(ValueError, match="expected the offload cache's device meta"):
+        meta[0](torch.randn(1, H))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("family", ["mixtral", "deepseek", "gpt_oss", "longcat"])
+@pytest.mark.parametrize("policy, prefetch", [("lru", 0), ("random_oldest", 3), ("predictive", 3)])
+def test_offloaded_cuda_is_bitwise_resident_cuda(family, policy, prefetch):
+    # Copies on the side stream, per-slot events, pinned host store: the same bits as the
+    # resident model on the same GPU, decode and a chunked prefill.
+    ref = _model(family).to("cuda", torch.bfloat16)
+    off = copy.deepcopy(ref)
+    slots = max(ref[0].config.top_k, 4)
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=prefetch,
+                                                 device="cuda", oldest_fraction=0.5), progress=False)
+    assert rt.store.pinned and rt.cache.device.type == "cuda"
+    seq, prefill = _inputs(1)
+    for x in seq:
+        x = x.to("cuda", torch.bfloat16)
+        assert_bitwise_equal(_run(off, x), _run(ref, x), what=f"{family} cuda decode")
+    p = prefill.to("cuda", torch.bfloat16)
+    assert_bitwise_equal(_run(off, p), _run(ref, p), what=f"{family} cuda prefill")
+    torch.cuda.synchronize()
+    s = rt.stats()
+    rt.cache.table.check_invariants()
+    assert s.misses > 0 and s.wait_s >= 0.0
+    assert (s.prefetch_issued > 0) == (prefetch > 0)
+
+
+TINY = __import__("pathlib").Path(__file__).resolve().parents[1] / "moeflow" / "assets" / "tiny-moe"
+
+
+@pytest.mark.parametrize("store", ["pinned", "mmap"])
+def test_patch_model_offload_on_the_tiny_checkpoint_is_bitwise_resident(store):
+    """The embedded trained model: patch_model(offload=...) logits and greedy text equal the resident ones."""
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+
+    res = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    patch_model(res)
+    cfg = OffloadConfig(gpu_slots=5, policy="predictive", prefetch_width=2, device="cpu", store=store,
+                        checkpoint=str(TINY))
+    report = patch_model(off, offload=cfg)
+    assert report.offload
+    rt = off.model.layers[0].mlp.moe_layer.offload
+    assert rt.store.mode == store and rt.cache.num_slots == 5
+    ids = (torch.tensor(list(b"import os\nimport sys\n\n\ndef main(argv):\n")) + 3).unsqueeze(0)
+    assert_bitwise_equal(off(ids).logits, res(ids).logits, what="tiny prefill logits")
+    g_res = res.generate(ids, max_new_tokens=12, do_sample=False)
+    g_off = off.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(g_off, g_res)
+    s = rt.stats()
+    assert s.misses > 0 and s.prefetch_issued > 0 and s.hits + s.misses > 12 * 4
+    assert off.model.layers[0].mlp.experts.gate_up_proj.numel() == 0, "the HF experts' storage was released"
