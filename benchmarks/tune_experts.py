@@ -1,0 +1,505 @@
+"""Tune the Triton experts' tile configurations and write them to moeflow/tuning/ (GPU).
+
+Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate, BM block rows,
+S split-K parts of the down GEMM.
+
+For each shape and each T, every candidate of each stage is timed on its own (CUDA events,
+L2 flushed before each run, median of --reps): align(BM), gate_up(BM, tile), down(BM, tile, S),
+combine(S). A configuration's time is the sum of its stages; the best per T goes to the file,
+and the batch-invariant entry is the single configuration with the smallest worst-case ratio
+to the per-T best over all tuned T (one tile set for every T).
+
+Compilation dominates a sweep, so it runs first in parallel worker processes that warm
+Triton's on-disk cache (`--workers`); the timing pass then only loads cubins.
+
+    PYTHONPATH=. python benchmarks/tune_experts.py --shapes all --out-dir moeflow/tuning
+    PYTHONPATH=. python benchmarks/tune_experts.py --shapes qwen3-30b-a3b --tokens 1,8,64 --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import multiprocessing as mp
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS  # noqa: E402
+from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
+from moeflow.routing.spec import RouterSpec  # noqa: E402
+from moeflow.tuning import GemmTile, MoETileConfig, ShapeKey, write_table  # noqa: E402
+
+# --------------------------------------------------------------------------- shapes
+# The family details each standard shape is benchmarked with (shared/spec/benchmarks.md gives
+# the sizes; gpt-oss keeps its own layout, interleaving, biases and clamp).
+FAMILY = {
+    "mixtral-8x7b": dict(activation="silu", layout="linear", interleaved=False, bias=False, limit=None),
+    "qwen3-30b-a3b": dict(activation="silu", layout="linear", interleaved=False, bias=False, limit=None),
+    "deepseek-v3": dict(activation="silu", layout="linear", interleaved=False, bias=False, limit=None),
+    "gpt-oss-120b": dict(activation="gptoss", layout="matmul", interleaved=True, bias=True, limit=7.0),
+    "ds-v4.1-like": dict(activation="silu", layout="linear", interleaved=False, bias=False, limit=None),
+}
+
+
+# Tiny shapes for a CPU dry run of the scripts under the Triton interpreter (--dry-run).
+TINY_SHAPES = {
+    "tiny-silu": dict(H=64, I=32, E=8, K=2, activation="silu", layout="linear", interleaved=False, bias=False,
+                      limit=None),
+    "tiny-gptoss": dict(H=40, I=24, E=4, K=2, activation="gptoss", layout="matmul", interleaved=True, bias=True,
+                        limit=7.0),
+}
+
+
+def shape_spec(name: str) -> dict:
+    if name in TINY_SHAPES:
+        return dict(name=name, **TINY_SHAPES[name])
+    if name not in STANDARD_SHAPES:
+        raise ValueError(f"shape {name!r}: expected one of {tuple(STANDARD_SHAPES) + tuple(TINY_SHAPES)}")
+    s = STANDARD_SHAPES[name]
+    return dict(name=name, H=s["H"], I=s["I"], E=s["E"], K=s["K"], **FAMILY[name])
+
+
+def parse_shapes(arg: str) -> list[str]:
+    names = list(STANDARD_SHAPES) if arg == "all" else [a.strip() for a in arg.split(",") if a.strip()]
+    for n in names:
+        shape_spec(n)
+    return names
+
+
+def make_config(spec: dict, num_experts: int | None = None) -> MoEConfig:
+    E = num_experts or spec["E"]
+    return MoEConfig(hidden_size=spec["H"], intermediate_size=spec["I"],
+                     router=RouterSpec(score_fn="softmax", num_experts=E, top_k=min(spec["K"], E)),
+                     activation=spec["activation"], swiglu_limit=spec["limit"], layout=spec["layout"],
+                     interleaved=spec["interleaved"], expert_bias=spec["bias"])
+
+
+def make_weights(spec: dict, device, dtype=torch.bfloat16, num_experts: int | None = None, seed: int = 0):
+    """Random weights scaled like a trained layer (unit-variance activations), never zeros."""
+    E, H, I = num_experts or spec["E"], spec["H"], spec["I"]
+    g = torch.Generator(device=torch.device(device)).manual_seed(seed)
+    if spec["layout"] == "linear":
+        gu = torch.randn(E, 2 * I, H, device=device, dtype=dtype, generator=g) * (1.0 / math.sqrt(H))
+        dn = torch.randn(E, H, I, device=device, dtype=dtype, generator=g) * (1.0 / math.sqrt(I))
+    else:
+        gu = torch.randn(E, H, 2 * I, device=device, dtype=dtype, generator=g) * (1.0 / math.sqrt(H))
+        dn = torch.randn(E, I, H, device=device, dtype=dtype, generator=g) * (1.0 / math.sqrt(I))
+    gb = db = None
+    if spec["bias"]:
+        gb = torch.randn(E, 2 * I, device=device, dtype=dtype, generator=g) * 0.1
+        db = torch.randn(E, H, device=device, dtype=dtype, generator=g) * 0.1
+    return ExpertWeights(gu, dn, gb, db, layout=spec["layout"], interleaved=spec["interleaved"])
+
+
+def shape_key(spec: dict, dtype=torch.bfloat16) -> ShapeKey:
+    return ShapeKey(num_experts=spec["E"], hidden_size=spec["H"], intermediate_size=spec["I"], top_k=spec["K"],
+                    layout=spec["layout"], interleaved=spec["interleaved"], dtype=str(dtype).split(".")[-1])
+
+
+def routing(T: int, E: int, K: int, dist: str, device, seed: int = 0):
+    """ids [T, K] int32 (distinct per row) and weights [T, K] f32 from a fixed seed.
+
+    uniform: every expert equally likely; zipf: p(expert of rank r) ~ 1 / (r + 1)^1.2 over a
+    fixed random ranking, K drawn without replacement (Gumbel top-k).
+    """
+    g = torch.Generator().manual_seed(seed * 1000003 + T * 31 + (0 if dist == "uniform" else 7))
+    if dist == "uniform":
+        keys = torch.rand(T, E, generator=g)
+    elif dist == "zipf":
+        rank = torch.randperm(E, generator=torch.Generator().manual_seed(seed))
+        logp = -1.2 * torch.log(rank.double() + 1.0)
+        u = torch.rand(T, E, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
+        keys = logp[None, :] - torch.log(-torch.log(u))
+    else:
+        raise ValueError(f"routing dist {dist!r}: expected 'uniform' or 'zipf'")
+    ids = keys.topk(K, dim=1).indices.to(torch.int32)
+    wts = torch.softmax(torch.randn(T, K, generator=g), dim=1)
+    return ids.to(device), wts.to(device)
+
+
+def patch_interpreter_index() -> None:
+    """Dry runs only: numpy >= 2.4 refuses int() of a 1-element 1-D array, which Triton 3.6's
+    interpreter does for loop bounds taken from kernel arguments; take the single element."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if getattr(orig, "_moeflow_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._moeflow_patched = True
+    interp._patch_lang_tensor = patched
+
+
+# --------------------------------------------------------------------------- candidates
+def _t(bn, bk, warps, stages):
+    return GemmTile(block_n=bn, block_k=bk, num_warps=warps, num_stages=stages)
+
+
+GATE_UP = {
+    16: [_t(32, 128, 4, 4), _t(64, 128, 4, 4), _t(64, 64, 4, 5), _t(128, 64, 4, 4), _t(32, 256, 4, 3),
+         _t(64, 256, 4, 3), _t(16, 256, 4, 3), _t(32, 64, 4, 6)],
+    32: [_t(64, 128, 4, 4), _t(64, 64, 4, 4), _t(128, 64, 4, 4)],
+    64: [_t(64, 64, 4, 4), _t(128, 64, 4, 3), _t(64, 128, 4, 3), _t(128, 64, 8, 3), _t(128, 64, 8, 4),
+         _t(64, 64, 4, 5)],
+    128: [_t(64, 64, 4, 4), _t(128, 64, 8, 3), _t(64, 64, 8, 4), _t(128, 32, 8, 4), _t(128, 64, 8, 4),
+          _t(64, 64, 8, 3), _t(64, 128, 8, 3)],
+}
+DOWN = {
+    16: [_t(32, 128, 4, 4), _t(64, 128, 4, 4), _t(64, 64, 4, 5), _t(128, 64, 4, 4), _t(32, 256, 4, 3),
+         _t(64, 256, 4, 3), _t(32, 64, 4, 6)],
+    32: [_t(64, 128, 4, 4), _t(64, 64, 4, 4), _t(128, 64, 4, 4)],
+    64: [_t(64, 64, 4, 4), _t(128, 64, 4, 3), _t(128, 64, 8, 3), _t(64, 128, 4, 3), _t(128, 64, 8, 4),
+         _t(256, 64, 8, 3)],
+    128: [_t(128, 64, 8, 3), _t(128, 64, 8, 4), _t(64, 64, 4, 4), _t(256, 64, 8, 3), _t(128, 64, 4, 4),
+          _t(128, 128, 8, 3), _t(64, 128, 4, 3)],
+}
+SPLITS = {16: (1, 2, 4, 8), 32: (1, 2, 4), 64: (1, 2), 128: (1,)}
+# Block heights the batch-invariant configuration is chosen among (timed at every T).
+BI_BMS = (64,)
+
+
+def with_split(t: GemmTile, s: int) -> GemmTile:
+    return GemmTile(block_n=t.block_n, block_k=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
+                    group_m=t.group_m, split_k=s)
+
+
+def bm_range(T: int, K: int, E: int, quick: bool) -> list[int]:
+    """Block heights worth trying for T tokens (rows per used expert decides)."""
+    rows = T * K / min(T * K, E)
+    if quick:
+        return [16] if rows <= 16 else ([64] if rows <= 96 else [128])
+    if rows <= 8:
+        return [16]
+    if rows <= 24:
+        return [16, 32]
+    if rows <= 96:
+        return [16, 32, 64]
+    if rows <= 256:
+        return [32, 64, 128]
+    return [64, 128]
+
+
+# --------------------------------------------------------------------------- precompile
+def _compile_worker(task) -> list[str]:
+    """Run each config once on 2-expert proxy weights with the real H, I, K and E (E matters to
+    the alignment kernel's constants): warms Triton's disk cache. Returns error strings."""
+    spec, cfg_dicts = task
+    import torch  # noqa: F401  (fresh process)
+
+    from moeflow.experts import triton as mt
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: interpreter dry run
+    dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    w = make_weights(spec, dev, dtype=dt, num_experts=2)
+    cfg = make_config(spec, num_experts=2)
+    K, E = spec["K"], spec["E"]
+    errors = []
+    for d in cfg_dicts:
+        tc = MoETileConfig.from_dict(d)
+        for T in (3, 4097 // K + 1):  # fused and multi-kernel alignment paths
+            try:
+                ids = (torch.arange(T * K, device=dev, dtype=torch.int32) % 2).view(T, K)
+                x = torch.randn(T, spec["H"], device=dev, dtype=dt)
+                plan = mt._Plan(x, T, K, w, tc)
+                plan.E = E  # the alignment kernel's E_PAD and the combine's E as the real shape has them
+                mt._launch_align(plan, ids.reshape(-1))
+                mt._launch_gate_up(plan, x, K, w, cfg)
+                mt._launch_down(plan, w)
+                mt._launch_combine(plan, torch.ones(T * K, device=dev), ids.reshape(-1))
+                for s in SPLITS[tc.block_m]:  # the combine's SPLIT is a compile-time constant
+                    plan.y_SNH = torch.zeros(s, T * K, spec["H"], device=dev,
+                                             dtype=dt if s == 1 else torch.float32)
+                    plan.cfg = MoETileConfig(block_m=tc.block_m, gate_up=tc.gate_up, down=with_split(tc.down, s))
+                    mt._launch_combine(plan, torch.ones(T * K, device=dev), ids.reshape(-1))
+            except Exception as e:  # a candidate the compiler refuses (shared memory, registers)
+                errors.append(f"{spec['name']} {d}: {type(e).__name__}: {str(e)[:200]}")
+                break
+    if dev.type == "cuda":
+        torch.cuda.synchronize()
+    return errors
+
+
+def precompile(tasks: list[tuple[dict, list[dict]]], workers: int) -> list[str]:
+    """Compile every (shape, config) in parallel processes; returns the compile errors."""
+    chunks = []
+    for spec, cfgs in tasks:
+        per = max(1, math.ceil(len(cfgs) / max(1, workers)))
+        chunks += [(spec, cfgs[i : i + per]) for i in range(0, len(cfgs), per)]
+    if workers <= 1:
+        return [e for c in chunks for e in _compile_worker(c)]
+    ctx = mp.get_context("spawn")
+    with ctx.Pool(workers) as pool:
+        results = pool.map(_compile_worker, chunks, chunksize=1)
+    return [e for r in results for e in r]
+
+
+def all_candidates(quick: bool) -> list[MoETileConfig]:
+    """Configs that cover every (BM, gate_up tile) and (BM, down tile) pair, zipped (one compile each)."""
+    out = []
+    for bm in (16, 32, 64, 128):
+        gus, dns = GATE_UP[bm], DOWN[bm]
+        if quick:
+            gus, dns = gus[:2], dns[:2]
+        for i in range(max(len(gus), len(dns))):
+            out.append(MoETileConfig(block_m=bm, gate_up=gus[i % len(gus)],
+                                     down=with_split(dns[i % len(dns)], max(SPLITS[bm]))))
+    return out
+
+
+# --------------------------------------------------------------------------- timing
+_FLUSH = {}
+
+
+def _flush():
+    buf = _FLUSH.get("b")
+    if buf is None:
+        buf = _FLUSH["b"] = torch.empty(64 * 1024 * 1024, dtype=torch.float32, device="cuda")
+    buf.zero_()
+
+
+def time_launch(fn, reps: int) -> float:
+    """Median seconds of fn() by CUDA events, L2 flushed before each run (CPU: wall clock)."""
+    if not torch.cuda.is_available():
+        fn()
+        ts = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            fn()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+    fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        _flush()
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b) / 1e3)
+    return statistics.median(ts)
+
+
+def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: float, log,
+               dtype=torch.bfloat16) -> dict:
+    """{'best': {T: (cfg, t)}, 'bi': (cfg, worst_ratio, ratios), 'tuned': [T]} for one shape."""
+    from moeflow.experts import triton as mt
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w = make_weights(spec, dev, dtype=dtype)
+    cfg = make_config(spec)
+    K, E, H = spec["K"], spec["E"], spec["H"]
+    # stage times: align[(T,bm)], gu[(T,bm,i)], dn[(T,bm,i,s)], comb[(T,s)]
+    align_t, gu_t, dn_t, comb_t = {}, {}, {}, {}
+    bms_all = sorted({bm for T in tokens for bm in bm_range(T, K, E, quick)} | set(BI_BMS))
+    for T in tokens:
+        if time.time() > deadline:
+            log(f"  deadline reached before T={T}; tuned T so far only")
+            break
+        ids, wts = routing(T, E, K, "uniform", dev)
+        x = torch.randn(T, H, device=dev, dtype=dtype)
+        ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
+        # the BMs worth trying at this T, plus the batch-invariant candidates (timed at every T)
+        for bm in sorted(set(bm_range(T, K, E, quick)) | set(BI_BMS)):
+            gus = GATE_UP[bm][:2] if quick else GATE_UP[bm]
+            dns = DOWN[bm][:2] if quick else DOWN[bm]
+            base = MoETileConfig(block_m=bm, gate_up=gus[0], down=dns[0])
+            plan = mt._Plan(x, T, K, w, base)
+            align_t[(T, bm)] = time_launch(lambda p=plan, i_=ids_N: mt._launch_align(p, i_), reps)
+            for i, g in enumerate(gus):
+                plan.cfg = MoETileConfig(block_m=bm, gate_up=g, down=dns[0])
+                try:
+                    gu_t[(T, bm, i)] = time_launch(lambda p=plan, x_=x: mt._launch_gate_up(p, x_, K, w, cfg), reps)
+                except Exception as e:
+                    log(f"  gate_up {bm} {g}: {type(e).__name__} {str(e)[:120]}")
+            for s in SPLITS[bm]:
+                plan.y_SNH = torch.empty(s, T * K, H, device=dev, dtype=dtype if s == 1 else torch.float32)
+                for i, d in enumerate(dns):
+                    plan.cfg = MoETileConfig(block_m=bm, gate_up=gus[0], down=with_split(d, s))
+                    try:
+                        dn_t[(T, bm, i, s)] = time_launch(lambda p=plan: mt._launch_down(p, w), reps)
+                    except Exception as e:
+                        log(f"  down {bm} {d} s={s}: {type(e).__name__} {str(e)[:120]}")
+                plan.cfg = MoETileConfig(block_m=bm, gate_up=gus[0], down=with_split(dns[0], s))
+                if (T, s) not in comb_t:
+                    comb_t[(T, s)] = time_launch(lambda p=plan, w_=wts_N, i_=ids_N: mt._launch_combine(p, w_, i_), reps)
+        log(f"  T={T}: timed")
+
+    def total(T, bm, gi, di, s):
+        parts = [align_t.get((T, bm)), gu_t.get((T, bm, gi)), dn_t.get((T, bm, di, s)), comb_t.get((T, s))]
+        return None if any(p is None for p in parts) else sum(parts)
+
+    tuned = sorted({T for (T, _) in align_t})
+    best, parts = {}, {}
+    combos = [(bm, gi, di, s) for bm in bms_all
+              for gi in range(len(GATE_UP[bm][:2] if quick else GATE_UP[bm]))
+              for di in range(len(DOWN[bm][:2] if quick else DOWN[bm])) for s in SPLITS[bm]]
+
+    def to_cfg(bm, gi, di, s):
+        gus = GATE_UP[bm][:2] if quick else GATE_UP[bm]
+        dns = DOWN[bm][:2] if quick else DOWN[bm]
+        return MoETileConfig(block_m=bm, gate_up=gus[gi], down=with_split(dns[di], s))
+
+    for T in tuned:
+        cands = [(total(T, *c), c) for c in combos]
+        cands = [(t, c) for t, c in cands if t is not None]
+        if cands:
+            t, c = min(cands)
+            best[T] = (to_cfg(*c), t)
+            bm, gi, di, sp = c
+            parts[T] = {"align": align_t[(T, bm)], "gate_up": gu_t[(T, bm, gi)], "down": dn_t[(T, bm, di, sp)],
+                        "combine": comb_t[(T, sp)]}
+    # batch invariant: one config for every tuned T, minimising the worst ratio to the per-T best
+    bi = None
+    for c in combos:
+        if c[0] not in BI_BMS:
+            continue
+        ratios = []
+        for T in tuned:
+            t = total(T, *c)
+            if t is None or T not in best:
+                ratios = None
+                break
+            ratios.append(t / best[T][1])
+        if ratios and (bi is None or max(ratios) < bi[1]):
+            bi = (to_cfg(*c), max(ratios), ratios)
+    # batch-invariant family: per-T tiles sharing one BK per GEMM and no split-K
+    family = None
+    bks = sorted({(to_cfg(*c).gate_up.block_k, to_cfg(*c).down.block_k) for c in combos})
+    for bkg, bkd in bks:
+        table, ratios = {}, []
+        for T in tuned:
+            cands = []
+            for c in combos:
+                tc = to_cfg(*c)
+                if c[3] == 1 and tc.gate_up.block_k == bkg and tc.down.block_k == bkd:
+                    t = total(T, *c)
+                    if t is not None:
+                        cands.append((t, c))
+            if not cands or T not in best:
+                table = None
+                break
+            t, c = min(cands)
+            table[T] = to_cfg(*c)
+            ratios.append(t / best[T][1])
+        if table and (family is None or max(ratios) < family[1]):
+            family = (table, max(ratios), ratios)
+    return {"best": best, "bi": bi, "family": family, "tuned": tuned, "parts": parts}
+
+
+def verify_family(spec: dict, table: dict, dtype=torch.bfloat16) -> tuple[bool, str]:
+    """Bitwise check on the device: tokens computed with each T's family config, inside batches of
+    that T, must equal the same tokens computed inside the largest batch (its own config)."""
+    from moeflow.experts.triton import TritonExperts
+
+    dev = torch.device("cuda")
+    w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
+    Ts = sorted(table)
+    Tmax = Ts[-1]
+    ids, wts = routing(Tmax, spec["E"], spec["K"], "zipf", dev, seed=5)
+    x = torch.randn(Tmax, spec["H"], device=dev, dtype=dtype)
+    full = TritonExperts(tile_config=table[Tmax]).forward_tokens(x, ids, wts, w, cfg)
+    for T in Ts[:-1]:
+        part = TritonExperts(tile_config=table[T]).forward_tokens(x[:T], ids[:T], wts[:T], w, cfg)
+        eq = torch.equal(part.view(torch.int16), full[:T].view(torch.int16))
+        if not eq:
+            bad = int((part.view(torch.int16) != full[:T].view(torch.int16)).sum())
+            return False, f"T={T} config {table[T].to_dict()} differs from T={Tmax} in {bad} elements"
+    return True, f"bitwise equal at T={Ts}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--tokens", default=",".join(str(t) for t in STANDARD_TOKENS))
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--workers", type=int, default=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    ap.add_argument("--quick", action="store_true", help="two candidates per stage, one BM per T")
+    ap.add_argument("--out-dir", default=str(ROOT / "moeflow" / "tuning"))
+    ap.add_argument("--log-json", default=None, help="write the per-T choices and worst BI ratios here")
+    ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new T after this many seconds")
+    ap.add_argument("--skip-precompile", action="store_true")
+    ap.add_argument("--dry-run", action="store_true",
+                    help="CPU, fp32, under TRITON_INTERPRET=1 (set it yourself): checks the script, times nothing real")
+    args = ap.parse_args(argv)
+    dtype = torch.bfloat16
+    if args.dry_run:
+        dtype = torch.float32
+        args.skip_precompile = True
+        patch_interpreter_index()
+    elif not torch.cuda.is_available():
+        print("tune_experts: needs CUDA (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
+        return 2
+    t0 = time.time()
+    deadline = t0 + args.budget_s
+    names = parse_shapes(args.shapes)
+    tokens = [int(t) for t in args.tokens.split(",")]
+
+    def log(msg):
+        print(f"[{time.time() - t0:7.1f}s] {msg}", flush=True)
+
+    if not args.skip_precompile:
+        cands = [c.to_dict() for c in all_candidates(args.quick)]
+        errors = precompile([(shape_spec(n), cands) for n in names], args.workers)
+        log(f"precompiled {len(cands)} configs x {len(names)} shapes with {args.workers} workers; "
+            f"{len(errors)} refused")
+        for e in errors[:20]:
+            log("  " + e)
+    device = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    report = {"device": device, "shapes": {}}
+    for n in names:
+        spec = shape_spec(n)
+        log(f"tuning {n}")
+        res = tune_shape(spec, tokens, args.reps, args.quick, deadline, log, dtype=dtype)
+        if not res["best"]:
+            log(f"  {n}: nothing tuned")
+            continue
+        fam, fam_note = res["family"], "not tried"
+        if fam is not None and not args.dry_run:
+            ok, fam_note = verify_family(spec, fam[0], dtype)
+            log(f"  batch-invariant family (worst ratio {fam[1]:.3f}): {'kept' if ok else 'DROPPED'}: {fam_note}")
+            if not ok:
+                fam = None
+        path = write_table(shape_key(spec, dtype), device, {T: c for T, (c, _) in res["best"].items()},
+                           res["bi"][0] if res["bi"] else None, directory=Path(args.out_dir),
+                           batch_invariant_by_T=fam[0] if fam else None)
+        report["shapes"][n] = {
+            "file": path.name,
+            "best": {str(T): {"cfg": c.to_dict(), "us": t * 1e6,
+                              "parts_us": {k: v * 1e6 for k, v in res["parts"][T].items()}}
+                     for T, (c, t) in res["best"].items()},
+            "batch_invariant": None if res["bi"] is None else
+            {"cfg": res["bi"][0].to_dict(), "worst_ratio": res["bi"][1], "ratios": res["bi"][2]},
+            "batch_invariant_family": None if res["family"] is None else
+            {"kept": fam is not None, "note": fam_note, "worst_ratio": res["family"][1],
+             "ratios": res["family"][2], "by_T": {str(T): c.to_dict() for T, c in res["family"][0].items()}},
+        }
+        for T, (c, t) in res["best"].items():
+            log(f"  T={T:5d} {t * 1e6:9.1f} us  BM={c.block_m} gu=({c.gate_up.block_n},{c.gate_up.block_k},"
+                f"{c.gate_up.num_warps},{c.gate_up.num_stages}) dn=({c.down.block_n},{c.down.block_k},"
+                f"{c.down.num_warps},{c.down.num_stages},S{c.down.split_k})")
+        if res["bi"]:
+            log(f"  batch-invariant: worst ratio {res['bi'][1]:.3f} cfg {res['bi'][0].to_dict()}")
+        if args.log_json:
+            Path(args.log_json).write_text(json.dumps(report, indent=1))
+    log("done")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

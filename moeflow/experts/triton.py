@@ -1,0 +1,328 @@
+"""`triton` experts: fused GPU kernels (alignment by expert, gate_up + activation, down, combine).
+
+Legend: T tokens, K slots per token, N = T*K (token, slot) pairs (pair n = t*K + k), H hidden,
+I intermediate per expert, E experts held, P padded positions, S split-K parts of the down GEMM.
+
+Pipeline of one call (4 launches at decode, 6 at large N; no host sync, so a call can be
+captured in a CUDA graph and replayed):
+    align    ids_TK -> sorted_P (pairs grouped by expert, stable, padded to BM), block_expert_B
+    gate_up  act_PI = act(x[tok] @ W_gu[e] (+ b_gu))     activation fused in the epilogue
+    down     y_SNH  = act_PI @ W_d[e] (+ b_d)            split-K partials for decode shapes
+    combine  out_TH = sum_k w[t,k] * sum_s y[s, t*K+k]   one small pass, slot order, no atomics
+The kernels are in moeflow/kernels/moe_align.py and moe_gemm.py; the tile configuration
+comes from moeflow.tuning (JSON written by benchmarks/tune_experts.py, nearest T), or its
+heuristics.
+
+Modes:
+    TritonExperts()                       tiles chosen per T (fastest).
+    TritonExperts(batch_invariant=True)   a token's output bits do not depend on the batch: no
+                                          split-K and one K-step (BK) per GEMM for every T. Tuned
+                                          tables may let BM/BN/warps follow T inside that family
+                                          ("batch_invariant_by_T", checked bit for bit on the device
+                                          by the tuner); without one, a single configuration.
+Both are deterministic run to run (fixed sum orders, integer-only counting).
+
+Triton is imported only inside the launch functions: importing this module needs neither
+Triton nor CUDA, and `supports` says why it refuses when either is missing.
+
+Ids are expected in [0, E) (zero experts and EP sentinels never reach this impl); checking
+that on CUDA would cost a device sync, so instead a pair with an id outside the range is never
+computed and turns its token's output row to NaN (loud, not a silent clamp).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+from functools import lru_cache
+
+import torch
+
+from ..config import ExpertWeights, MoEConfig
+from ..tuning import MoETileConfig, ShapeKey, lookup
+from .base import check_pairs
+
+_ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
+_DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+# Combine pass: columns per program.
+_COMBINE_BLOCK_H = 1024
+
+
+@lru_cache(maxsize=1)
+def _triton_present() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@lru_cache(maxsize=8)
+def _device_facts(index: int) -> tuple[str, int]:
+    props = torch.cuda.get_device_properties(index)
+    return props.name, props.multi_processor_count
+
+
+def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on BM-row blocks after padding each expert to BM (no host sync needed)."""
+    return -(-num_pairs // block_m) + min(num_pairs, num_experts)
+
+
+class TritonExperts:
+    """Fused Triton experts. See the module docstring for the pipeline and the modes.
+
+    batch_invariant: one fixed tile configuration for every T (bitwise batch invariance).
+    tile_config:     force this MoETileConfig for every call (tests, the tuner).
+    allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1, the
+                     Triton interpreter; the CPU test suite uses it).
+    """
+
+    name = "triton"
+    device_types = ("cuda",)
+
+    def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
+                 allow_cpu: bool = False) -> None:
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"TritonExperts.batch_invariant={batch_invariant!r}: expected a bool")
+        if tile_config is not None and not isinstance(tile_config, MoETileConfig):
+            raise TypeError(f"TritonExperts.tile_config: expected a MoETileConfig, got {type(tile_config).__name__}")
+        self.batch_invariant = batch_invariant
+        self.tile_config = tile_config
+        self.allow_cpu = allow_cpu
+        if allow_cpu:
+            self.device_types = ("cuda", "cpu")
+        self._cfg_cache: dict[tuple, MoETileConfig] = {}
+
+    def __repr__(self) -> str:
+        return f"TritonExperts(batch_invariant={self.batch_invariant})"
+
+    # ------------------------------------------------------------------ selection
+    def supports(self, config: MoEConfig) -> tuple[bool, str]:
+        if not isinstance(config, MoEConfig):
+            return False, f"config: expected MoEConfig, got {type(config).__name__}"
+        if not _triton_present():
+            return False, "the triton package is not installed"
+        if not self.allow_cpu and not torch.cuda.is_available():
+            return False, "needs a CUDA device (torch.cuda.is_available() is False)"
+        if config.activation not in _ACT_CODES:
+            return False, f"activation {config.activation!r} has no fused kernel (have {tuple(_ACT_CODES)})"
+        return True, "fused Triton kernels: bf16/fp16 (fp32 exact) weights, every layout, activation and bias"
+
+    def tile_config_for(self, w: ExpertWeights, top_k: int, num_tokens: int) -> MoETileConfig:
+        """The MoETileConfig a call of num_tokens tokens runs with (cached per (shape, T))."""
+        if self.tile_config is not None:
+            return self.tile_config
+        dev = w.device
+        ck = (w.num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
+              w.dtype, str(dev), num_tokens, self.batch_invariant)
+        cfg = self._cfg_cache.get(ck)
+        if cfg is None:
+            if dev.type == "cuda":
+                name, sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())
+            else:
+                name, sms = "cpu", 132
+            key = ShapeKey(num_experts=w.num_experts, hidden_size=w.hidden_size,
+                           intermediate_size=w.intermediate_size, top_k=top_k, layout=w.layout,
+                           interleaved=w.interleaved, dtype=_DTYPE_NAMES[w.dtype])
+            cfg = lookup(key, max(1, num_tokens), name, batch_invariant=self.batch_invariant, sm_count=sms)
+            self._cfg_cache[ck] = cfg
+        return cfg
+
+    # ------------------------------------------------------------------ entry points
+    def forward_tokens(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       w: ExpertWeights, config: MoEConfig) -> torch.Tensor:
+        """out_TH [T, H] (x's dtype) = sum over k in slot order of weights[t,k] * expert_{ids[t,k]}(x[t]).
+
+        With config.router.weight_on_input (llama4) the weight scales the expert's input
+        instead (rounded to x's dtype, as the HF module does) and the combine weight is 1.
+
+        Args:
+            x_TH: [T, H], the weights' dtype and device, unit stride along H.
+            ids_TK: int [T, K], every id in [0, E) (an id outside gives a NaN row).
+            weights_TK: float [T, K] combine weights (f32 in moeflow's routing).
+            w: the experts' tensors (views of the model's parameters).
+            config: the layer's MoEConfig.
+        """
+        self._check_common(w, config)
+        if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != w.hidden_size:
+            raise ValueError(f"x_TH: shape {tuple(getattr(x_TH, 'shape', ()))}, expected (T, H={w.hidden_size})")
+        T = int(x_TH.shape[0])
+        if not isinstance(ids_TK, torch.Tensor) or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
+            raise ValueError(f"ids_TK: shape {tuple(getattr(ids_TK, 'shape', ()))}, expected (T={T}, K)")
+        if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+            raise TypeError(f"ids_TK: dtype {ids_TK.dtype}, expected an integer dtype")
+        K = int(ids_TK.shape[1])
+        if not isinstance(weights_TK, torch.Tensor) or tuple(weights_TK.shape) != (T, K):
+            raise ValueError(f"weights_TK: shape {tuple(getattr(weights_TK, 'shape', ()))}, expected ({T}, {K})")
+        if not weights_TK.dtype.is_floating_point:
+            raise TypeError(f"weights_TK: dtype {weights_TK.dtype}, expected a floating dtype")
+        self._check_x(x_TH, w, "x_TH")
+        for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
+            if t.device != x_TH.device:
+                raise ValueError(f"{name}: on {t.device}, expected x_TH's device {x_TH.device}")
+        if T == 0 or K == 0:
+            return torch.zeros_like(x_TH)
+        ids_N = ids_TK.reshape(-1)
+        if ids_N.dtype != torch.int32:
+            ids_N = ids_N.to(torch.int32)
+        wts_N = weights_TK.reshape(-1).contiguous()
+        on_input = bool(getattr(config.router, "weight_on_input", False))
+        cfg = self.tile_config_for(w, K, T)
+        return _run(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, cfg,
+                    weight_on_input=on_input, combine_weights=not on_input)
+
+    def forward_pairs(self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights,
+                      config: MoEConfig) -> torch.Tensor:
+        """y_NH [N, H] (x's dtype): row n through expert expert_N[n], unweighted, rows in input order.
+
+        Bits of a row depend on the tile configuration, which follows N unless
+        batch_invariant=True (then they depend on the row alone).
+        """
+        self._check_common(w, config)
+        check_pairs(x_NH, expert_N, w, config)
+        self._check_x(x_NH, w, "x_NH")
+        N = int(x_NH.shape[0])
+        if N == 0:
+            return torch.empty_like(x_NH)
+        ids_N = expert_N.to(torch.int32).contiguous()
+        # Tiles are tuned by tokens of a K-slot layer: N pairs are N / K such tokens.
+        cfg = self.tile_config_for(w, config.top_k, max(1, N // config.top_k))
+        return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False)
+
+    # ------------------------------------------------------------------ checks
+    def _check_common(self, w: ExpertWeights, config: MoEConfig) -> None:
+        if not isinstance(w, ExpertWeights):
+            raise TypeError(f"w: expected ExpertWeights, got {type(w).__name__}")
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
+        ok, reason = self.supports(config)
+        if not ok:
+            raise ValueError(f"experts impl 'triton' refuses this config: {reason}")
+        w.check_config(config)
+        if w.dtype not in _DTYPE_NAMES:
+            raise TypeError(f"ExpertWeights dtype {w.dtype}: expected bfloat16, float16 or float32")
+        if w.device.type not in self.device_types:
+            raise ValueError(f"ExpertWeights on {w.device}: the triton impl runs on {self.device_types}")
+
+    @staticmethod
+    def _check_x(x: torch.Tensor, w: ExpertWeights, name: str) -> None:
+        if x.dtype != w.dtype:
+            raise TypeError(f"{name}: dtype {x.dtype}, expected the experts' dtype {w.dtype}")
+        if x.device != w.device:
+            raise ValueError(f"{name}: on {x.device}, expected the experts' device {w.device}")
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise ValueError(f"{name}: stride {x.stride()}, expected unit stride along H")
+
+
+def _weight_strides(w: ExpertWeights) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """((stride_e, stride_out, stride_in) of gate_up, same of down): out = the GEMM's N axis."""
+    gu, dn = w.gate_up, w.down
+    if w.layout == "linear":  # gate_up [E, 2I, H], down [E, H, I]
+        return (gu.stride(0), gu.stride(1), gu.stride(2)), (dn.stride(0), dn.stride(1), dn.stride(2))
+    # "matmul": gate_up [E, H, 2I], down [E, I, H]
+    return (gu.stride(0), gu.stride(2), gu.stride(1)), (dn.stride(0), dn.stride(2), dn.stride(1))
+
+
+class _Plan:
+    """Sizes and buffers of one call (every size from shapes alone: no host sync)."""
+
+    def __init__(self, x_MH: torch.Tensor, T: int, K: int, w: ExpertWeights, cfg: MoETileConfig) -> None:
+        dev = x_MH.device
+        self.T, self.K, self.N = T, K, T * K
+        self.E, self.H, self.I = w.num_experts, w.hidden_size, w.intermediate_size
+        self.cfg = cfg
+        self.max_blocks = max_blocks_for(self.N, self.E, cfg.block_m)
+        self.P = self.max_blocks * cfg.block_m
+        self.sorted_P = torch.empty(self.P, dtype=torch.int32, device=dev)
+        self.block_expert_B = torch.empty(self.max_blocks, dtype=torch.int32, device=dev)
+        self.act_PI = torch.empty(self.P, self.I, dtype=w.dtype, device=dev)
+        S = cfg.down.split_k
+        # A single part is the expert's output itself: kept in x's dtype (what the HF modules
+        # round to); split-K partials stay f32 so the split adds no rounding.
+        self.y_SNH = torch.empty(S, self.N, self.H, dtype=w.dtype if S == 1 else torch.float32, device=dev)
+        self.out_TH = torch.empty(T, self.H, dtype=x_MH.dtype, device=dev)
+        self.precision = "ieee" if w.dtype == torch.float32 else "tf32"
+
+
+def _launch_align(plan: _Plan, ids_N: torch.Tensor) -> None:
+    from ..kernels.moe_align import align_launch
+
+    align_launch(ids_N, plan.E, plan.cfg.block_m, plan.sorted_P, plan.block_expert_B)
+
+
+def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
+                    config: MoEConfig) -> None:
+    """act_PI from x_rows (row of pair n = x_rows[n // top_k_div])."""
+    from ..kernels.moe_gemm import moe_gate_up_kernel
+
+    t = plan.cfg.gate_up
+    (gse, gsn, gsk), _ = _weight_strides(w)
+    has_bias = w.gate_up_bias is not None
+    gub = w.gate_up_bias if has_bias else w.gate_up  # dummy pointer when no bias
+    grid = (plan.max_blocks * math.ceil(plan.I / t.block_n),)
+    moe_gate_up_kernel[grid](
+        x_rows, w.gate_up, gub, plan.act_PI, plan.sorted_P, plan.block_expert_B,
+        plan.N, plan.H, plan.I, top_k_div, plan.max_blocks,
+        x_rows.stride(0), gse, gsn, gsk, gub.stride(0), plan.act_PI.stride(0),
+        float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
+        ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved), HAS_BIAS=has_bias,
+        EVEN_K=plan.H % t.block_k == 0, PRECISION=plan.precision,
+        BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
+    """y_SNH from act_PI (split-K parts over I)."""
+    from ..kernels.moe_gemm import moe_down_kernel
+
+    t = plan.cfg.down
+    _, (dse, dsn, dsk) = _weight_strides(w)
+    has_bias = w.down_bias is not None
+    db = w.down_bias if has_bias else w.down  # dummy pointer when no bias
+    S = t.split_k
+    k_tiles_per_split = math.ceil(math.ceil(plan.I / t.block_k) / S)
+    grid = (plan.max_blocks * math.ceil(plan.H / t.block_n), S)
+    y = plan.y_SNH
+    moe_down_kernel[grid](
+        plan.act_PI, w.down, db, y, plan.sorted_P, plan.block_expert_B,
+        plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split,
+        plan.act_PI.stride(0), dse, dsn, dsk, db.stride(0), y.stride(0), y.stride(1),
+        HAS_BIAS=has_bias, EVEN_K=plan.I % t.block_k == 0, PRECISION=plan.precision,
+        BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def _launch_combine(plan: _Plan, wts_N: torch.Tensor | None, ids_N: torch.Tensor) -> None:
+    """out_TH = sum over slots (and splits) of y, weighted when wts_N is given."""
+    from ..kernels.moe_gemm import moe_combine_kernel
+
+    H = plan.H
+    # Each program keeps K*S loads of BLOCK_H in flight: narrow the block as K*S grows (no
+    # spills, and more programs when T is small).
+    loads = plan.K * plan.cfg.down.split_k
+    bh = max(128, min(_COMBINE_BLOCK_H, 4096 // loads))
+    bh = 1 << (bh.bit_length() - 1)
+    bh = min(bh, 1 << max(0, (H - 1).bit_length()))
+    y, out = plan.y_SNH, plan.out_TH
+    moe_combine_kernel[(plan.T, math.ceil(H / bh))](
+        y, wts_N if wts_N is not None else ids_N, ids_N, out, H, plan.E, y.stride(0), y.stride(1),
+        out.stride(0), K=plan.K, SPLIT=plan.cfg.down.split_k, HAS_W=wts_N is not None, BLOCK_H=bh,
+        num_warps=4,
+    )
+
+
+def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoETileConfig, *,
+         weight_on_input: bool, combine_weights: bool) -> torch.Tensor:
+    """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs)."""
+    plan = _Plan(x_MH, T, K, w, cfg)
+    _launch_align(plan, ids_N)
+    if weight_on_input:
+        # llama4: the expert's input is (w * x) rounded to x's dtype, made once before the GEMMs.
+        x_rows = (x_MH.unsqueeze(1) * wts_N.view(T, K, 1).to(x_MH.dtype)).reshape(plan.N, plan.H)
+        _launch_gate_up(plan, x_rows, 1, w, config)
+    else:
+        _launch_gate_up(plan, x_MH, K, w, config)
+    _launch_down(plan, w)
+    _launch_combine(plan, wts_N if combine_weights else None, ids_N)
+    return plan.out_TH
+
+
+IMPL = TritonExperts()

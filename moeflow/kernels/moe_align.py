@@ -1,0 +1,199 @@
+"""Private Triton kernels: group (token, slot) pairs by expert into BLOCK_M-padded blocks.
+
+Legend: N pairs (T tokens x K slots, flattened row-major: pair n = t * K + k),
+E experts, E_PAD a power of two > E (one spare bin for out-of-range ids),
+BM = BLOCK_M rows per block, B = max_blocks (a bound that needs no host sync).
+
+Output layout (what the GEMM kernels read):
+    sorted_P       int32 [B * BM]   pair index at each padded position; N at a padding slot.
+                                    Inside one expert, pairs keep their input order
+                                    (stable), so the layout is a pure function of ids.
+    block_expert_B int32 [B]        the expert of each block; -1 past the last used block.
+
+Why a fixed bound B = ceil(N / BM) + min(N, E): each used expert wastes < BM slots, at most
+min(N, E) experts are used, so the padded length never exceeds it. The grid of every kernel
+downstream is sized by B on the host, which is what keeps the pipeline sync-free and
+capturable in a CUDA graph (blocks past the end read block_expert = -1 and return).
+
+Ids outside [0, E) go to the spare bin E and are never placed: the GEMMs skip them and
+the combine pass writes NaN for them (loud, never a silent clamp).
+
+Two schedules, same results bit for bit:
+  * N <= ALIGN_FUSED_MAX: one program does count, scan and scatter (decode: one launch);
+  * larger N: count per chunk (grid) -> scan (one program) -> scatter per chunk (grid).
+Counting uses integer histograms, so results never depend on thread timing.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+# Pairs per chunk of the multi-kernel schedule, and the largest N done in one program.
+ALIGN_CHUNK = 1024
+ALIGN_FUSED_MAX = 2048
+# Pairs handled together inside the scatter loop ([SUB, E_PAD] one-hot matrix).
+ALIGN_SUB = 32
+# Blocks handled together when writing block_expert ([BLOCKS, E_PAD] comparison).
+ALIGN_BLOCKS = 16
+
+
+@triton.jit
+def _load_ids(ids_ptr, offs, n_end, E):
+    """Expert id of each pair at `offs` (int32); masked-out or out-of-range ids -> E."""
+    ids = tl.load(ids_ptr + offs, mask=offs < n_end, other=E).to(tl.int32)
+    ok = (ids >= 0) & (ids < E)
+    return tl.where(ok, ids, E)
+
+
+@triton.jit
+def _count_range(ids_ptr, n_lo, n_hi, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Histogram [E_PAD] of the ids in pairs [n_lo, n_hi) (bin E holds the invalid ones)."""
+    counts = tl.zeros([E_PAD], dtype=tl.int32)
+    for c0 in range(n_lo, n_hi, CHUNK):
+        offs = c0 + tl.arange(0, CHUNK)
+        ids = _load_ids(ids_ptr, offs, n_hi, E)
+        counts += tl.histogram(ids, E_PAD).to(tl.int32)
+    return counts
+
+
+@triton.jit
+def _scatter_range(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """Place pairs [n_lo, n_hi) at run[e] + (stable rank among earlier pairs of e in the range).
+
+    run: int32 [E_PAD], the first free padded position of each expert for this range.
+    """
+    e_idx = tl.arange(0, E_PAD)
+    for s0 in range(n_lo, n_hi, SUB):
+        offs = s0 + tl.arange(0, SUB)
+        ids = _load_ids(ids_ptr, offs, n_hi, E)
+        onehot = (ids[:, None] == e_idx[None, :]).to(tl.int32)  # [SUB, E_PAD]
+        # rank of each pair among the pairs of its expert earlier in this sub-chunk
+        before = tl.cumsum(onehot, 0) - onehot
+        rank = tl.sum(onehot * before, 1)
+        base = tl.sum(onehot * run[None, :], 1)
+        tl.store(sorted_ptr + base + rank, offs, mask=(offs < n_hi) & (ids < E))
+        run += tl.sum(onehot, 0)
+    return run
+
+
+@triton.jit
+def _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks,
+                  BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
+    """block_expert for every block < max_blocks, and the N sentinel at each padding slot.
+
+    start/count: int32 [E_PAD] padded start and pair count of each expert (0 for e >= E).
+    """
+    e_idx = tl.arange(0, E_PAD)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    end = start + padded
+    total = tl.sum(padded, 0)
+    fill_end = start + count
+    for b0 in range(0, max_blocks, BLOCKS):
+        b = b0 + tl.arange(0, BLOCKS)
+        p = b * BLOCK_M
+        # owner of the block = the first expert whose padded range ends after p
+        owner = tl.sum((end[None, :] <= p[:, None]).to(tl.int32), 1)
+        used = (p < total) & (b < max_blocks)
+        tl.store(block_expert_ptr + b, tl.where(used, owner, -1), mask=b < max_blocks)
+        own_fill_end = tl.sum(tl.where(e_idx[None, :] == owner[:, None], fill_end[None, :], 0), 1)
+        pos = p[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [BLOCKS, BM]
+        pad = used[:, None] & (pos >= own_fill_end[:, None])
+        tl.store(sorted_ptr + pos, tl.full([BLOCKS, BLOCK_M], 0, tl.int32) + N, mask=pad)
+
+
+@triton.jit
+def _padded_starts(count, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
+    e_idx = tl.arange(0, E_PAD)
+    count = tl.where(e_idx < E, count, 0)
+    padded = (count + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    start = tl.cumsum(padded, 0) - padded
+    return count, start
+
+
+@triton.jit(do_not_specialize=["N", "max_blocks"])
+def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_blocks,
+                           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                           SUB: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program: count, scan, scatter. For N <= ALIGN_FUSED_MAX (decode)."""
+    count = _count_range(ids_ptr, 0, N, E, CHUNK, E_PAD)
+    count, start = _padded_starts(count, E, BLOCK_M, E_PAD)
+    _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, BLOCK_M, E_PAD, BLOCKS)
+    _scatter_range(ids_ptr, sorted_ptr, start, 0, N, E, SUB, E_PAD)
+
+
+@triton.jit(do_not_specialize=["N"])
+def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """Grid (num_chunks,): counts_CE[c] = histogram of chunk c."""
+    c = tl.program_id(0)
+    n_lo = c * CHUNK
+    n_hi = tl.minimum(n_lo + CHUNK, N)
+    counts = _count_range(ids_ptr, n_lo, n_hi, E, CHUNK, E_PAD)
+    tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
+
+
+@triton.jit(do_not_specialize=["num_chunks", "N", "max_blocks"])
+def moe_align_scan_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_chunks, N, E,
+                          max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
+    """One program: base_CE[c] = first padded position of chunk c's pairs of each expert."""
+    e_idx = tl.arange(0, E_PAD)
+    count = tl.zeros([E_PAD], dtype=tl.int32)
+    for c in range(num_chunks):
+        count += tl.load(counts_ptr + c * E_PAD + e_idx)
+    count, start = _padded_starts(count, E, BLOCK_M, E_PAD)
+    _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, BLOCK_M, E_PAD, BLOCKS)
+    run = start
+    for c in range(num_chunks):
+        tl.store(base_ptr + c * E_PAD + e_idx, run)
+        run += tl.load(counts_ptr + c * E_PAD + e_idx)
+
+
+@triton.jit(do_not_specialize=["N"])
+def moe_align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr,
+                             SUB: tl.constexpr, E_PAD: tl.constexpr):
+    """Grid (num_chunks,): place chunk c's pairs from base_CE[c]."""
+    c = tl.program_id(0)
+    n_lo = c * CHUNK
+    n_hi = tl.minimum(n_lo + CHUNK, N)
+    run = tl.load(base_ptr + c * E_PAD + tl.arange(0, E_PAD))
+    _scatter_range(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, SUB, E_PAD)
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B, scratch=None) -> None:
+    """Fill sorted_P and block_expert_B (preallocated, see module docstring) from ids_N.
+
+    ids_N: int32 [N] contiguous, on the GPU. No host sync; capturable in a CUDA graph.
+    scratch: int32 [2 * num_chunks * E_PAD] for the multi-kernel schedule (allocated if None).
+    """
+    import torch
+
+    n = ids_N.numel()
+    max_blocks = block_expert_B.numel()
+    e_pad = _next_pow2(num_experts + 1)
+    # Registers for the [BLOCKS, E_PAD] and [SUB, E_PAD] matrices: keep ~32 ints a thread.
+    warps = 4 if e_pad <= 256 else 8
+    if n <= ALIGN_FUSED_MAX:
+        # decode: a histogram as wide as the pairs, not ALIGN_CHUNK (a few buckets, few compiles)
+        chunk = 64 if n <= 64 else (256 if n <= 256 else ALIGN_CHUNK)
+        moe_align_fused_kernel[(1,)](
+            ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
+            BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
+            num_warps=warps,
+        )
+        return
+    num_chunks = triton.cdiv(n, ALIGN_CHUNK)
+    if scratch is None:
+        scratch = torch.empty(2 * num_chunks * e_pad, dtype=torch.int32, device=ids_N.device)
+    counts = scratch[: num_chunks * e_pad]
+    base = scratch[num_chunks * e_pad: 2 * num_chunks * e_pad]
+    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
+                                          num_warps=4)
+    moe_align_scan_kernel[(1,)](counts, base, sorted_P, block_expert_B, num_chunks, n, num_experts,
+                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS=ALIGN_BLOCKS,
+                                num_warps=warps)
+    moe_align_scatter_kernel[(num_chunks,)](ids_N, base, sorted_P, n, num_experts, CHUNK=ALIGN_CHUNK,
+                                            SUB=ALIGN_SUB, E_PAD=e_pad, num_warps=warps)

@@ -1,0 +1,215 @@
+"""Private Triton kernels: the two grouped GEMMs of a MoE layer and the combine pass.
+
+Legend: T tokens, K slots, N = T*K pairs (pair n = t*K + k), H hidden, I intermediate
+per expert, E experts, P padded positions (= max_blocks * BM, see moe_align.py),
+S split-K parts of the down GEMM, BM/BN/BK tile sizes.
+
+Pipeline (all sync-free, grids sized on the host from shapes only):
+    gate_up:  act_PI[p]   = act(x[tok(p)] @ W_gu[e(p)] (+ b_gu))      bf16/fp16, f32 accumulate
+    down:     y_SNH[s, n] = act_PI[p(n)] @ W_d[e][split s] (+ b_d on s=0)  (split-K partials)
+    combine:  out_TH[t]   = sum_{k=0..K-1} w[t,k] * sum_{s=0..S-1} y_SNH[s, t*K+k]
+Every sum has a fixed order (K-loop order inside a tile, splits in order, slots in order) and
+no atomics, so a result is a function of its inputs and the tile configuration only. With one
+fixed configuration for every batch (batch-invariant mode) a token's bits do not depend on
+which other tokens share its batch: rows of a tile never mix inside a dot.
+
+Weight addressing is by strides, so both layouts run without copies:
+    "linear": gate_up [E, 2I, H] (stride_wn = H, stride_wk = 1), down [E, H, I]
+    "matmul": gate_up [E, H, 2I] (stride_wn = 1, stride_wk = 2I), down [E, I, H]
+Halves: gate column j, up column I + j. Interleaved (gpt-oss): gate 2j, up 2j + 1; then one
+contiguous [BK, 2*BN] tile is loaded and the accumulator is split into even/odd columns.
+
+Activations (ACT): 0 silu(g)*u, 1 gelu_tanh(g)*u, 2 DeepSeek-V4 clamp (g <= L, -L <= u <= L,
+silu(g)*u), 3 gpt-oss ((clamp u + 1) * g * sigmoid(alpha * g), g <= L).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+ACT_SILU = 0
+ACT_GELU_TANH = 1
+ACT_SWIGLU_CLAMP = 2
+ACT_GPTOSS = 3
+
+
+@triton.jit
+def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
+    """Grouped ordering: GROUP_M row-blocks share a weight column tile while it is in L2."""
+    in_group = GROUP_M * num_n
+    group = pid // in_group
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % in_group) % size_m
+    pid_n = (pid % in_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
+def _activate(g, u, limit, alpha, ACT: tl.constexpr):
+    if ACT == 2:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+    if ACT == 3:
+        g = tl.minimum(g, limit)
+        u = tl.minimum(tl.maximum(u, -limit), limit)
+        out = (u + 1.0) * (g * tl.sigmoid(alpha * g))
+    elif ACT == 1:
+        # tanh(z) = 2 * sigmoid(2z) - 1: no libdevice call, same in the interpreter
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        out = 0.5 * g * (2.0 * tl.sigmoid(2.0 * z)) * u
+    else:
+        out = g * tl.sigmoid(g) * u
+    return out
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def moe_gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, top_k, num_m,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_ap,
+    limit, alpha,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] for the block's rows and BN columns of I."""
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    w_base = w_ptr + e * stride_we
+    if INTERLEAVED:
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * I
+        w_ptrs = w_base + offs_c[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=c_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k + k0 < H
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        j_ok = offs_j < I
+        wg_ptrs = w_base + offs_j[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + I * stride_wn
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=j_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k + k0 < H
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+                wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            g = tl.dot(a, wg, g, input_precision=PRECISION)
+            u = tl.dot(a, wu, u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bg = tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0)
+            bu = tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0)
+            g += bg.to(tl.float32)[None, :]
+            u += bu.to(tl.float32)[None, :]
+    out = _activate(g, u, limit, alpha, ACT)
+    act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
+    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
+def moe_down_kernel(
+    act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, num_m, k_tiles_per_split,
+    stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over I-range [s*kps, (s+1)*kps), kps =
+    k_tiles_per_split * BK (a multiple of BK the compiler can see, so the loads stay 16-byte wide)."""
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    k_lo = tl.multiple_of(s * k_tiles_per_split * BLOCK_K, BLOCK_K)
+    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, I)
+    offs_k = k_lo + tl.arange(0, BLOCK_K)
+    a_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_k[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_h[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k + (k0 - k_lo) < k_hi
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=h_ok[None, :] & k_ok[:, None], other=0.0)
+        acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        if s == 0:
+            bias = tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + s.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+
+
+@triton.jit
+def moe_combine_kernel(
+    y_ptr, w_ptr, ids_ptr, out_ptr, H, E, stride_ys, stride_yn, stride_ot,
+    K: tl.constexpr, SPLIT: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+):
+    """Grid (T, cdiv(H, BLOCK_H)). out[t] = sum_k w[t,k] * sum_s y[s, t*K+k], slot order, f32.
+
+    A pair whose id is outside [0, E) was never computed: its row becomes NaN.
+    """
+    t = tl.program_id(0).to(tl.int64)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < H
+    acc = tl.zeros([BLOCK_H], dtype=tl.float32)
+    for k in tl.static_range(K):
+        n = t * K + k
+        v = tl.zeros([BLOCK_H], dtype=tl.float32)
+        for s in tl.static_range(SPLIT):
+            v += tl.load(y_ptr + s * stride_ys + n * stride_yn + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+        if HAS_W:
+            v = v * tl.load(w_ptr + n).to(tl.float32)
+        eid = tl.load(ids_ptr + n)
+        v = tl.where((eid >= 0) & (eid < E), v, float("nan"))
+        acc += v
+    tl.store(out_ptr + t * stride_ot + offs_h, acc.to(out_ptr.dtype.element_ty), mask=h_ok)
