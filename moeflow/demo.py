@@ -1,10 +1,14 @@
-"""`moeflow demo`: a tiny Mixtral-like model, saved, reloaded with transformers, patched, generating.
+"""`moeflow demo`: a tiny MoE model, loaded with transformers, patched, generating.
 
-    run_demo()                      # prints; returns 0 when the tokens match the unpatched model
-    run_demo(model="path/to/ckpt")  # any supported checkpoint directory instead of the tiny model
+    run_demo()                      # the embedded trained model (moeflow/assets/tiny-moe): real text
+    run_demo(model="random")        # a fixed-seed random tiny Mixtral, saved and reloaded
+    run_demo(model="path/to/ckpt")  # any supported checkpoint directory
 
-Steps: build a tiny Mixtral-like CausalLM with fixed-seed weights (or take `model`: a
-checkpoint directory, or a callable returning a transformers model), save it as
+The embedded model is a 3.4M-parameter Mixtral-family MoE trained on Python's
+standard-library sources, byte-level (token = byte + 3), so its prompt is text and
+its output is decoded back to text. Steps for the random model: build a tiny
+Mixtral-like CausalLM with fixed-seed weights (or take `model`: a callable
+returning a transformers model), save it as
 safetensors in a temporary directory, load it back with AutoModelForCausalLM, generate
 `tokens` tokens greedily with the unpatched model, patch it with moeflow, generate again
 with a tqdm bar, and print the per-layer expert load and whether the tokens agree.
@@ -20,9 +24,15 @@ import tempfile
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# The trained checkpoint shipped in the package (see its README.md for how it was made).
+EMBEDDED_MODEL = Path(__file__).resolve().parent / "assets" / "tiny-moe"
+EMBEDDED_PROMPT = "class Queue:\n    def __init__(self"
+_BYTE_OFFSET = 3  # ByT5 convention of the embedded model: pad 0, eos 1, unk 2, byte b -> b + 3
 
 # The tiny model: big enough that routing is not trivial (8 experts, top-2), small
 # enough that 32 greedy tokens take well under a second per run on a laptop CPU.
@@ -121,9 +131,13 @@ def run_demo_result(
     """The demo, returning what it saw (see the module docstring). `out` gets each line."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens={tokens!r}: expected an int >= 1")
-    device = torch.device(device or "cpu")
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if model is None:
+        model = EMBEDDED_MODEL if (EMBEDDED_MODEL / "config.json").is_file() else "random"
+    if model == "random":
+        model = None
     threads = torch.get_num_threads()
-    if device.type == "cpu" and model is None:
+    if device.type == "cpu":
         # The tiny model's matrices are a few KB: extra CPU threads only add sync overhead
         # (several times slower on a busy 2-core machine), so the demo runs single-threaded.
         torch.set_num_threads(1)
@@ -177,9 +191,14 @@ def _generate_and_compare(out, device: torch.device, loaded, *, tokens: int, exp
     from .hf import patch_model
 
     vocab = int(loaded.config.get_text_config().vocab_size)
-    gen = torch.Generator().manual_seed(seed)
-    prompt_1S = torch.randint(0, vocab, (1, PROMPT_LEN), generator=gen).to(device)
-    out(f"prompt ids: {prompt_1S[0].tolist()}")
+    byte_level = _is_byte_level(loaded)
+    if byte_level:
+        prompt_1S = torch.tensor([[b + _BYTE_OFFSET for b in EMBEDDED_PROMPT.encode()]], device=device)
+        out(f"prompt: {EMBEDDED_PROMPT!r}")
+    else:
+        gen = torch.Generator().manual_seed(seed)
+        prompt_1S = torch.randint(0, vocab, (1, PROMPT_LEN), generator=gen).to(device)
+        out(f"prompt ids: {prompt_1S[0].tolist()}")
 
     t0 = time.perf_counter()
     ref = _generate(loaded, prompt_1S, tokens)
@@ -197,6 +216,9 @@ def _generate_and_compare(out, device: torch.device, loaded, *, tokens: int, exp
             h.remove()
 
     out(f"generated {tokens} tokens greedily: {mine}")
+    if byte_level:
+        text = bytes(t - _BYTE_OFFSET for t in mine if t >= _BYTE_OFFSET).decode("utf-8", errors="replace")
+        out("as text:\n" + EMBEDDED_PROMPT + text)
     out("expert load per layer (token picks routed to each expert, prompt + decode):")
     for path, load in loads.items():
         total = max(1, sum(load))
@@ -211,6 +233,11 @@ def _generate_and_compare(out, device: torch.device, loaded, *, tokens: int, exp
         first = next(i for i, (a, b) in enumerate(zip(ref, mine)) if a != b)
         out(f"  first difference at token {first}: unpatched {ref[first]}, moeflow {mine[first]}")
     return result
+
+
+def _is_byte_level(model) -> bool:
+    """The embedded model's convention: 259 ids = 3 specials + 256 bytes."""
+    return int(model.config.get_text_config().vocab_size) == 256 + _BYTE_OFFSET
 
 
 def run_demo(

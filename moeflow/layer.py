@@ -165,6 +165,9 @@ class MoELayer(nn.Module):
         layer_idx: int = 0,
     ) -> None:
         super().__init__()
+        # "eager": check the GPU routing status after each eager step (one host sync);
+        # "never": leave it to the caller (decode loops that must not sync).
+        self.check_routing = "eager"
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
         if not isinstance(experts, ExpertWeights):
@@ -293,7 +296,7 @@ class MoELayer(nn.Module):
         if bias is not None:
             logits = logits + bias.detach().to(torch.float32)
         spec = self.config.router
-        return route(
+        result = route(
             logits,
             spec,
             bias=self._tensor("selection_bias"),
@@ -302,6 +305,14 @@ class MoELayer(nn.Module):
             hash_table=self._tensor("hash_table"),
             layer=self.layer_idx,
         )
+        # The GPU selection reports NaN logits / bad hash ids through a device status,
+        # not a sync. Eager steps check it here (one sync, so a NaN is never a silent
+        # pick); under CUDA-graph capture, or with check_routing="never", the caller
+        # owns the check (`self.last_routing.check()`).
+        check = getattr(result, "check", None)
+        if check is not None and self.check_routing == "eager" and not torch.cuda.is_current_stream_capturing():
+            check()
+        return result
 
     def experts_forward(self, x_TH: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
         """The routed output [T, H] for a given routing (no shared expert); see `run_experts`."""

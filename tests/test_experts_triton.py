@@ -596,23 +596,19 @@ def test_gpu_moe_layer_auto_is_triton_and_matches_reference():
 
 @gpu
 @needs_gpu
-def test_gpu_moe_layer_batch_invariant_bitwise(monkeypatch):
-    """Through MoELayer (router + fused experts): a token's output bits do not depend on the batch."""
+def test_gpu_moe_layer_batch_invariant_bitwise():
+    """Through MoELayer (router + fused experts, experts_impl="triton_bi"): a token's bits do not depend on the batch."""
     MoELayer = _layer_or_fail()
-    from moeflow.experts import select
-    from moeflow.experts.triton import TritonExperts
     from moeflow.testing import assert_bitwise_equal
 
-    bi = TritonExperts(batch_invariant=True)
-    monkeypatch.setattr(select, "_triton_impl", lambda: bi)
     E, H, I, K = 16, 256, 128, 4
     cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     router_w = torch.randn(E, H, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
-    layer = MoELayer(cfg, router_weight_EH=router_w, experts=w, experts_impl="triton")
+    layer = MoELayer(cfg, router_weight_EH=router_w, experts=w, experts_impl="triton_bi")
     x = torch.randn(700, H, device="cuda", dtype=torch.bfloat16, generator=g)
     full = layer(x)
-    assert layer.impl_name == "triton"
+    assert layer.impl_name == "triton_bi"
     for T in (1, 3, 64, 257):
         assert_bitwise_equal(layer(x[:T]), full[:T], what=f"MoELayer batch-invariant T={T} vs 700")
 

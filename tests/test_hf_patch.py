@@ -305,10 +305,10 @@ def test_tiny_config_is_reusable_and_fixed():
 
 
 def test_demo_matches_and_reports_load(capsys):
-    from moeflow.demo import run_demo, run_demo_result
+    from moeflow.demo import run_demo_result
 
     lines: list[str] = []
-    result = run_demo_result(out=lines.append)
+    result = run_demo_result(out=lines.append, model="random")
     text = "\n".join(lines)
     print(text)
     assert result.identical and len(result.moeflow_tokens) == 32
@@ -316,4 +316,23 @@ def test_demo_matches_and_reports_load(capsys):
     assert len(result.expert_load) == 2
     # prompt (8) + 32 decode steps... the last generated token is never fed back: 8 + 31 tokens x K=2.
     assert all(sum(load) == (8 + 31) * 2 for load in result.expert_load.values())
+
+
+def test_demo_embedded_model_writes_python(capsys):
+    """The default demo loads the trained checkpoint and its greedy text looks like Python."""
+    from moeflow.demo import EMBEDDED_MODEL, EMBEDDED_PROMPT, run_demo, run_demo_result
+
+    assert (EMBEDDED_MODEL / "model.safetensors").is_file()
+    lines: list[str] = []
+    result = run_demo_result(out=lines.append, tokens=24)
+    text = "\n".join(lines)
+    assert result.identical, text
+    assert len(result.expert_load) == 4
+    body = text.split("as text:\n", 1)[1]
+    assert body.startswith(EMBEDDED_PROMPT)
+    generated = body[len(EMBEDDED_PROMPT):].split("\nexpert load")[0]
+    # A trained byte model continues an argument list with printable ASCII (a random one
+    # emits arbitrary bytes): at least 90% of its bytes are printable.
+    printable = sum(c.isprintable() or c in "\n\t" for c in generated)
+    assert printable >= 0.9 * max(1, len(generated)), repr(generated)
     assert run_demo(out=lambda s: None, tokens=4) == 0

@@ -53,14 +53,27 @@ def _triton_impl():
     return impl
 
 
+@functools.lru_cache(maxsize=1)
+def _triton_bi_impl():
+    """The Triton impl in batch-invariant mode (one fixed reduction order for every T), or None."""
+    if _triton_impl() is None:
+        return None
+    from .triton import TritonExperts
+
+    return TritonExperts(batch_invariant=True)
+
+
 def available_impls() -> tuple[str, ...]:
     """Names get_impl accepts in this environment."""
     names = ("reference", "grouped")
-    return names + (("triton",) if _triton_impl() is not None else ())
+    return names + (("triton", "triton_bi") if _triton_impl() is not None else ())
 
 
 def get_impl(name: str):
-    """The implementation registered under `name` ("reference", "grouped", "triton").
+    """The implementation registered under `name` ("reference", "grouped", "triton", "triton_bi").
+
+    "triton_bi" is the Triton impl in batch-invariant mode: a token's output bits do
+    not depend on the batch it runs in.
 
     "grouped" is its grouped-GEMM path; `select_experts_impl` also picks its bmm path.
     """
@@ -68,11 +81,11 @@ def get_impl(name: str):
         return _REFERENCE
     if name == "grouped":
         return _GROUPED
-    if name == "triton":
-        impl = _triton_impl()
+    if name in ("triton", "triton_bi"):
+        impl = _triton_impl() if name == "triton" else _triton_bi_impl()
         if impl is None:
             raise ValueError(
-                "experts impl 'triton': unavailable (moeflow.experts.triton or the triton package does not import)"
+                f"experts impl {name!r}: unavailable (moeflow.experts.triton or the triton package does not import)"
             )
         return impl
     raise ValueError(f"experts impl {name!r}: unknown, expected one of {available_impls()} or 'auto'")
@@ -80,7 +93,7 @@ def get_impl(name: str):
 
 def _device_ok(impl, device: torch.device) -> tuple[bool, str]:
     # A Triton impl that does not declare its device types is taken to be CUDA-only.
-    default = ("cuda",) if getattr(impl, "name", "") == "triton" else None
+    default = ("cuda",) if str(getattr(impl, "name", "")).startswith("triton") else None
     types = getattr(impl, "device_types", default)
     if types is None or device.type in types:
         return True, ""

@@ -83,6 +83,7 @@ class TritonExperts:
         if tile_config is not None and not isinstance(tile_config, MoETileConfig):
             raise TypeError(f"TritonExperts.tile_config: expected a MoETileConfig, got {type(tile_config).__name__}")
         self.batch_invariant = batch_invariant
+        self.name = "triton_bi" if batch_invariant else "triton"
         self.tile_config = tile_config
         self.allow_cpu = allow_cpu
         if allow_cpu:

@@ -43,6 +43,23 @@ def predict_next_ids(
     W = next_spec.top_k if width is None else width
     if not isinstance(W, int) or isinstance(W, bool) or W < 1 or W > E:
         raise ValueError(f"width: {W!r}, expected an int in [1, {E}] (the next layer's routed experts)")
+    if x_TH.is_cuda:
+        from .select import _gpu_module
+
+        gpu = _gpu_module()
+        if gpu is not None:
+            # One fused GEMV + selection launch, no host sync (the seed's predict_launch).
+            return gpu.predict_next_cuda(
+                x_TH,
+                next_router_weight_EH,
+                next_spec,
+                bias=bias,
+                width=W,
+                layer=0,
+                router_bias_E=router_bias_E,
+                input_ids=input_ids,
+                hash_table=hash_table,
+            ).ids_TW
     logits_TS = router_logits(x_TH, next_router_weight_EH)
     if router_bias_E is not None:
         logits_TS = logits_TS + router_bias_E.float()

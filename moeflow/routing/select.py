@@ -191,7 +191,13 @@ def route(
         gpu = _gpu_module()
         if gpu is not None:
             return gpu.route_cuda(
-                logits_TE, spec, bias=bias, expert_scale=expert_scale, input_ids=input_ids, hash_table=hash_table
+                logits_TE,
+                spec,
+                bias=bias,
+                expert_scale=expert_scale,
+                input_ids=input_ids,
+                hash_table=hash_table,
+                layer=layer,
             )
     validate_route_inputs(
         logits_TE, spec, bias=bias, expert_scale=expert_scale, input_ids=input_ids, hash_table=hash_table, layer=layer
