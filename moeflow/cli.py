@@ -55,6 +55,11 @@ _BENCH_MODULES = {
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     name = _BENCH_MODULES[args.which]
+    # The scripts live in the checkout's benchmarks/ folder, not in the installed package.
+    import os
+
+    if os.path.isdir("benchmarks") and os.getcwd() not in sys.path:
+        sys.path.insert(0, os.getcwd())
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
@@ -102,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     b.set_defaults(func=_cmd_bench, takes_rest=True)
 
     t = sub.add_parser("trace", help="record, replay or plot routing traces; extra args go to the action")
-    t.add_argument("action", choices=["record", "replay", "plot"])
+    t.add_argument("action", choices=["record", "replay", "stats", "plot"])
     t.set_defaults(func=_cmd_trace, takes_rest=True)
     return p
 

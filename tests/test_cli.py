@@ -84,3 +84,29 @@ def test_demo_runs_and_matches(capsys):
     assert main(["demo", "--tokens", "8"]) == 0
     out = capsys.readouterr().out
     assert "identical to the unpatched model: yes" in out
+
+
+def test_trace_record_replay_stats_plot(tmp_path, capsys):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    t = str(tmp_path / "t.jsonl")
+    assert main(["trace", "record", str(EMBEDDED_MODEL), "--out", t, "--prompt", "def f(x):\n    return x"]) == 0
+    assert main(["trace", "replay", t, "--slots", "8", "--policy", "lru", "belady", "--decode"]) == 0
+    out = capsys.readouterr().out
+    assert "belady" in out and "hit_rate" in out
+    assert main(["trace", "stats", t]) == 0
+    assert '"recall_at_K"' in capsys.readouterr().out
+    assert main(["trace", "plot", t, "--slots", "8", "--decode", "--out", str(tmp_path)]) == 0
+    from PIL import Image
+
+    for name in ("expert_load.png", "hit_rate.png"):
+        img = Image.open(tmp_path / name).convert("RGB")
+        assert img.size[0] >= 300 and len(img.getcolors(1 << 20)) > 20
+
+
+def test_bench_help_lists_benchmarks(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench", "--help"])
+    out = capsys.readouterr().out
+    for name in ("experts", "routing", "ep", "offload"):
+        assert name in out

@@ -298,8 +298,12 @@ def _pred_keys(step: Step, width: int) -> list[Key]:
 
 
 def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, seed: int = 0,
-           oldest_fraction: float = 0.0625, predict_width: int | None = None) -> ReplayResult:
+           oldest_fraction: float = 0.0625, predict_width: int | None = None,
+           per_pass: list[float] | None = None) -> ReplayResult:
     """Simulate a cache of `slots` experts with `policy` on `trace`; prefetch = width (0: off).
+
+    per_pass: if a list is given, the hit rate of each forward pass (a decode step, or
+    one prefill chunk) is appended to it, in trace order (for `moeflow trace plot`).
 
     Mirrors OffloadRuntime.forward_layer: protect the predicted keys of the next layer,
     pin + load this step's experts (in groups of <= slots when a step needs more), then
@@ -342,6 +346,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
     else:
         width = 0
     table = SlotTable(slots, pol, trace.expert_bytes)
+    marks: list[tuple[int, int]] = []
     tokens = 0
     last_pass = None
     for i, (step, keys) in enumerate(zip(trace.steps, keys_per_step)):
@@ -350,15 +355,28 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
         if step.pass_idx != last_pass:
             tokens += len(step.ids)
             last_pass = step.pass_idx
+            if per_pass is not None:
+                _close_pass(per_pass, table.stats, marks)
         table.protected = frozenset(_pred_keys(step, width))
         for g in range(0, max(1, len(keys)), slots):
             table.begin_step()
             table.acquire(keys[g : g + slots])
         if prefetch > 0:
             table.prefetch(_pred_keys(step, prefetch))
+    if per_pass is not None and trace.steps:
+        _close_pass(per_pass, table.stats, marks)
     s = table.stats
     return ReplayResult(policy, slots, prefetch, len(trace.steps), tokens, s.hits, s.misses, s.prefetch_issued,
                         s.prefetch_used, s.prefetch_wasted, s.bytes_copied)
+
+
+def _close_pass(per_pass: list[float], stats, marks: list[tuple[int, int]]) -> None:
+    """Append the hit rate since the last mark (the pass that just ended) and set a new mark."""
+    if marks:
+        h0, m0 = marks[-1]
+        n = (stats.hits - h0) + (stats.misses - m0)
+        per_pass.append((stats.hits - h0) / n if n else 1.0)
+    marks.append((stats.hits, stats.misses))
 
 
 # ---- statistics -----------------------------------------------------------------------------
@@ -498,8 +516,35 @@ def _cmd_record(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from .. import plots
+
+    trace = Trace.load(args.path)
+    if args.decode:
+        trace = trace.as_decode()
+    out_dir = args.out
+    load_LE = []
+    toks = trace.tokens()
+    for layer in range(trace.num_layers):
+        c = Counter(e for tok in toks for e in tok.get(layer, []))
+        load_LE.append([c.get(e, 0) for e in range(trace.num_experts[layer])])
+    p1 = plots.plot_expert_load(load_LE, os.path.join(out_dir, "expert_load.png"),
+                                title=f"expert load ({len(toks)} tokens)")
+    series = {}
+    for policy in args.policy:
+        for pf in args.prefetch:
+            if policy == "belady" and pf:
+                continue
+            rates: list[float] = []
+            replay(trace, args.slots, policy, pf, per_pass=rates)
+            series[f"{policy}" + (f"+pf{pf}" if pf else "")] = rates
+    p2 = plots.plot_hit_rate(series, os.path.join(out_dir, "hit_rate.png"))
+    print(f"wrote {p1} and {p2}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """`moeflow trace {replay,stats,record} ...`."""
+    """`moeflow trace {replay,stats,record,plot} ...`."""
     p = argparse.ArgumentParser(prog="moeflow trace", description="routing traces: replay, stats, record")
     sub = p.add_subparsers(dest="action", required=True)
     r = sub.add_parser("replay", help="simulate cache sizes and policies on a trace")
@@ -523,6 +568,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     c.add_argument("--ctx", type=int, default=128)
     c.add_argument("--width", type=int, default=None, help="prediction width to record (default 2K)")
     c.set_defaults(func=_cmd_record)
+    pl = sub.add_parser("plot", help="PNG: expert load heatmap and cache hit rate over decode steps per policy")
+    pl.add_argument("path")
+    pl.add_argument("--slots", type=int, required=True)
+    pl.add_argument("--policy", nargs="+", default=["lru", "random_oldest", "predictive", "belady"],
+                    choices=REPLAY_POLICIES)
+    pl.add_argument("--prefetch", type=int, nargs="+", default=[0])
+    pl.add_argument("--decode", action="store_true", help="split prefill passes into one pass per token")
+    pl.add_argument("--out", default=".", help="directory for expert_load.png and hit_rate.png")
+    pl.set_defaults(func=_cmd_plot)
     args = p.parse_args(list(argv) if argv is not None else None)
     return int(args.func(args) or 0)
 
