@@ -167,7 +167,11 @@ def encode_prompt(path: Path, prompt: str, vocab_size: int):
     """Token ids for `prompt`: the checkpoint's tokenizer if it ships one, else UTF-8 bytes."""
     import torch
 
-    if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+    tok_cfg = path / "tokenizer_config.json"
+    if tok_cfg.is_file() and "ByT5Tokenizer" in tok_cfg.read_text():
+        # Byte-level (the embedded model): pad 0, eos 1, unk 2, byte b -> b + 3.
+        return torch.tensor([[b + 3 for b in prompt.encode("utf-8")]], dtype=torch.long)
+    if (path / "tokenizer.json").is_file() or tok_cfg.is_file():
         from transformers import AutoTokenizer
 
         return AutoTokenizer.from_pretrained(str(path))(prompt, return_tensors="pt").input_ids

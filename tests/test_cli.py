@@ -110,3 +110,19 @@ def test_bench_help_lists_benchmarks(capsys):
     out = capsys.readouterr().out
     for name in ("experts", "routing", "ep", "offload"):
         assert name in out
+
+
+def test_route_on_the_embedded_byte_model(capsys):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    assert main(["route", str(EMBEDDED_MODEL), "--prompt", "def main():"]) == 0
+    out = capsys.readouterr().out
+    assert "11 tokens, 4 MoE layers" in out
+
+
+def test_info_on_the_embedded_model(capsys):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    assert main(["info", str(EMBEDDED_MODEL), "--slots", "12"]) == 0
+    out = capsys.readouterr().out
+    assert "family          mixtral" in out and "4 MoE: 0-3" in out
