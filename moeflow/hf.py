@@ -43,7 +43,7 @@ from torch import nn
 
 from .config import ExpertWeights, MoEConfig
 from .layer import MoELayer, run_experts
-from .routing.families import router_spec_from_hf
+from .routing.families import router_spec_from_hf, text_config
 from .routing.spec import RouterSpec
 from .types import RoutingResult
 
@@ -432,15 +432,6 @@ def _layer_idx(path: str, module: nn.Module) -> int:
     raise ValueError(f"patch_model: cannot tell the layer index of {path!r} (no 'layers.<i>' in its path)")
 
 
-def _text_config(config: Any) -> Any:
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        if text is not None:
-            return text
-    return getattr(config, "text_config", None) or config
-
-
 def _sources(fam: HFFamily, block: nn.Module, spec: RouterSpec) -> dict[str, torch.Tensor | None]:
     """The block's tensors by MoELayer storage name (read fresh each call)."""
     experts = _attr(block, fam.experts)
@@ -601,7 +592,7 @@ def patch_model(
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"patch_model: {type(model).__name__} has no .config (expected a transformers model)")
-    config = _text_config(config)
+    config = text_config(config)
     blocks = _find_blocks(model)
     if not blocks:
         raise ValueError(f"patch_model: no MoE block found in {type(model).__name__} "
@@ -706,7 +697,7 @@ def _interface_config(module: nn.Module) -> tuple[MoEConfig, str]:
     if (layout, interleaved, bias) != (fam.layout, fam.interleaved, fam.expert_bias):
         raise ValueError(f"experts_implementation='moeflow': {name}: layout flags {(layout, interleaved, bias)} "
                          f"differ from moeflow's {fam.family} table")
-    config = _text_config(module.config)
+    config = text_config(module.config)
     activation, limit, alpha = fam.activation(config, module)
     gu = module.gate_up_proj
     two_i = gu.shape[1] if layout == "linear" else gu.shape[2]

@@ -287,16 +287,6 @@ for _a in _ADAPTERS:
 CHECKPOINT_FAMILIES: tuple[str, ...] = tuple(a.family for a in _ADAPTERS)
 
 
-def text_config(config: Any) -> Any:
-    """The config holding the MoE fields (multimodal wrappers keep them in text_config)."""
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        if text is not None:
-            return text
-    return getattr(config, "text_config", None) or config
-
-
 def adapter_for(family_or_model_type: str) -> KeyAdapter:
     """The KeyAdapter of a family name or HF model_type, or a ValueError listing the known ones."""
     adapter = _BY_NAME.get(family_or_model_type)

@@ -31,7 +31,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from .families import Dims, KeyAdapter, adapter_for, text_config
+from ..routing.families import text_config
+from .families import Dims, KeyAdapter, adapter_for
 from .index import CheckpointError, CheckpointIndex
 
 # Dtype classes of the roles: "weight" tensors must all have the model's dtype; "aux"

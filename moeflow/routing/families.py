@@ -28,8 +28,8 @@ def _req(config: Any, name: str) -> int:
     return value
 
 
-def _text_config(config: Any) -> Any:
-    """Multimodal wrappers (llama4, gemma4, kimi_k25) keep the MoE fields in text_config."""
+def text_config(config: Any) -> Any:
+    """The config holding the MoE fields: multimodal wrappers (llama4, gemma4, kimi_k25) keep them in text_config."""
     get_text = getattr(config, "get_text_config", None)
     if callable(get_text):
         text = get_text()
@@ -117,7 +117,7 @@ def _gpt_oss(config: Any, layer_idx: int) -> RouterSpec:
 
 
 def _llama4(config: Any, layer_idx: int) -> RouterSpec:
-    config = _text_config(config)
+    config = text_config(config)
     return RouterSpec(
         score_fn="topk_sigmoid",
         num_experts=_req(config, "num_local_experts"),
@@ -139,7 +139,7 @@ def _longcat_flash(config: Any, layer_idx: int) -> RouterSpec:
 
 
 def _gemma4(config: Any, layer_idx: int) -> RouterSpec:
-    config = _text_config(config)
+    config = text_config(config)
     if not _get(config, "enable_moe_block", False):
         raise ValueError("config.enable_moe_block=False: this gemma4 model has no MoE block")
     return RouterSpec(
@@ -178,7 +178,7 @@ def family_of(config: Any) -> str:
     """The HF model_type, unwrapping kimi_k25 (a DeepSeek-V3 text model inside)."""
     model_type = getattr(config, "model_type", None)
     if model_type == "kimi_k25":
-        text = _text_config(config)
+        text = text_config(config)
         if text is config:
             raise ValueError("config.text_config=None: a kimi_k25 config wraps its MoE text model in text_config")
         return family_of(text)
@@ -196,10 +196,10 @@ def router_spec_from_hf(config: Any, layer_idx: int = 0) -> RouterSpec:
     """
     family = family_of(config)
     if family == "kimi_k2" or getattr(config, "model_type", None) == "kimi_k25":
-        config = _text_config(config)
+        config = text_config(config)
     if not isinstance(layer_idx, int) or isinstance(layer_idx, bool) or layer_idx < 0:
         raise ValueError(f"layer_idx={layer_idx!r}: expected an int >= 0")
-    n_layers = getattr(_text_config(config), "num_hidden_layers", None)
+    n_layers = getattr(text_config(config), "num_hidden_layers", None)
     if isinstance(n_layers, int) and not isinstance(n_layers, bool) and layer_idx >= n_layers:
         # Past the last layer a per-layer rule (DeepSeek-V4's hash layers) would silently
         # fall back to its default.
