@@ -327,14 +327,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--check", type=int, default=2, help="tokens compared bitwise with the resident model")
     p.add_argument("--no-profile", dest="profile", action="store_false")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test of the script)")
-    p.add_argument("--out", default="benchmarks/offload_gpu.json")
+    p.add_argument("--out", default="out/bench_offload.json")
     p.add_argument("--trace-stats", action="store_true",
                    help="instead: record the tiny model's trace on held-out text, replay it, write --stats-out")
     p.add_argument("--model", default=str(Path(__file__).resolve().parents[1] / "moeflow/assets/tiny-moe"))
     p.add_argument("--trace-tokens", type=int, default=4096)
     p.add_argument("--trace-slots", type=int, nargs="+", default=[4, 8, 16, 24])
     p.add_argument("--trace-out", default=None, help="also save the decode-view trace (JSON lines)")
-    p.add_argument("--stats-out", default="benchmarks/offload_trace_stats.json")
+    p.add_argument("--stats-out", default="benchmarks/results/offload_trace_stats.json")
     args = p.parse_args(argv)
     if args.trace_stats:
         return trace_stats_main(args)

@@ -67,10 +67,41 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
             f"benchmark {args.which!r} needs the repository's benchmarks/ folder ({exc.name} not importable)",
             "run it from a checkout of moeflow: cd moeflow && moeflow bench " + args.which,
         ) from exc
-    argv = list(rest)
+    dirs = ["."] + [rest[i + 1] for i, a in enumerate(rest[:-1]) if a in ("--out", "--out-dir")]
+    before = _json_mtimes(dirs)
+    rc = int(module.main(list(rest)) or 0)
     if args.plot:
-        argv.append("--plot")
-    return int(module.main(argv) or 0)
+        for path in sorted(p for p, t in _json_mtimes(dirs).items() if before.get(p) != t):
+            print(f"plot: {_plot_bench_json(path)}")
+    return rc
+
+
+def _json_mtimes(dirs: list[str]) -> dict[str, float]:
+    """JSON files under the given directories (where the benchmark writes), by mtime."""
+    import glob
+    import os
+
+    found = {}
+    for d in dirs:
+        for p in glob.glob(os.path.join(d, "**", "*.json"), recursive=True):
+            if "tiny-moe" not in p:
+                found[os.path.normpath(p)] = os.path.getmtime(p)
+    return found
+
+
+def _plot_bench_json(path: str) -> str:
+    """A PNG beside a benchmark JSON ({meta, rows}): roof_frac against T, else time against T."""
+    import json
+
+    from . import plots
+
+    with open(path) as f:
+        data = json.load(f)
+    rows = data.get("rows", []) if isinstance(data, dict) else []
+    metric = "roof_frac" if any(r.get("roof_frac") is not None for r in rows) else "us"
+    out = path[: -len(".json")] + f"_{metric}.png"
+    plots.plot_vs_tokens(rows, out, metric=metric)
+    return out
 
 
 def _cmd_trace(args: argparse.Namespace, rest: list[str]) -> int:

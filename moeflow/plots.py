@@ -57,22 +57,32 @@ def plot_hit_rate(series: Mapping[str, Sequence[float]], path: str | Path, *, wi
 
 def plot_roof_frac(rows: Sequence[Mapping], path: str | Path, *, key: str = "impl") -> Path:
     """roof_frac against T (log x), one line per (shape, rows[key]). rows need shape, T, roof_frac."""
+    return plot_vs_tokens(rows, path, metric="roof_frac", key=key)
+
+
+def plot_vs_tokens(rows: Sequence[Mapping], path: str | Path, *, metric: str, key: str = "impl") -> Path:
+    """rows[metric] against T (log x), one line per (shape, rows[key]); rows without the metric are skipped."""
     plt = _pyplot()
     lines: dict[tuple, list[tuple[float, float]]] = {}
     for r in rows:
-        if r.get("roof_frac") is None:
+        if r.get(metric) is None or r.get("T") is None:
             continue
-        lines.setdefault((r.get("shape", ""), r.get(key, "")), []).append((float(r["T"]), float(r["roof_frac"])))
+        label = (r.get("shape", ""), r.get(key, ""), r.get("mode", ""))
+        lines.setdefault(label, []).append((float(r["T"]), float(r[metric])))
     if not lines:
-        raise ValueError("rows: no row with T and roof_frac to plot")
+        raise ValueError(f"rows: no row with T and {metric} to plot")
     fig, ax = plt.subplots(figsize=(7, 4))
-    for (shape, impl), pts in sorted(lines.items()):
+    for (shape, impl, mode), pts in sorted(lines.items()):
         pts.sort()
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{shape} {impl}".strip())
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=" ".join(x for x in (shape, impl, mode) if x))
     ax.set_xscale("log", base=2)
     ax.set_xlabel("tokens T")
-    ax.set_ylabel("roof_frac (floor / time)")
-    ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    if metric == "roof_frac":
+        ax.set_ylabel("roof_frac (floor / time)")
+        ax.axhline(1.0, color="k", lw=0.8, ls="--")
+    else:
+        ax.set_ylabel(metric)
+        ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
     return _save(fig, plt, path)

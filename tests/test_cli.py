@@ -126,3 +126,17 @@ def test_info_on_the_embedded_model(capsys):
     assert main(["info", str(EMBEDDED_MODEL), "--slots", "12"]) == 0
     out = capsys.readouterr().out
     assert "family          mixtral" in out and "4 MoE: 0-3" in out
+
+
+def test_bench_routing_cpu_writes_json_and_plot(tmp_path, monkeypatch, capsys):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])  # benchmarks/ lives in the checkout
+    out = tmp_path / "bench"
+    rc = main(["bench", "routing", "--plot", "--cpu", "--tokens", "1,8", "--shapes", "qwen3-30b-a3b",
+               "--reps", "1", "--out", str(out)])
+    assert rc == 0
+    assert (out / "bench_routing_cpu.json").is_file()
+    pngs = list(out.glob("*.png"))
+    assert pngs and pngs[0].stat().st_size > 5000
+    assert "plot:" in capsys.readouterr().out
