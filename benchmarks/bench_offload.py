@@ -24,7 +24,7 @@ Then the torch profiler looks at steady-state steps: CUDA runtime calls that all
 (cudaMalloc/cudaFree/cudaHostAlloc) and that block the host (stream/device/event
 synchronize, synchronous memcpy) are counted per layer step.
 
-    python benchmarks/bench_offload.py --out benchmarks/offload_gpu.json
+    python benchmarks/bench_offload.py --out out/bench_offload.json
     python benchmarks/bench_offload.py --quick      # small shapes, runs on CPU too
 """
 
