@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.common import STANDARD_SHAPES, env_info, format_table, write_json  # noqa: E402
 from moeflow.parallel.all_to_all import AllToAllDispatcher  # noqa: E402
+from moeflow.parallel.dist_utils import leave_process_group  # noqa: E402
 from moeflow.parallel.local import combine_TH  # noqa: E402
 from moeflow.parallel.plan import Placement  # noqa: E402
 
@@ -242,7 +243,7 @@ def main(argv=None) -> int:
               f"({meta['seconds']:.0f} s; JSON: {Path(args.out) / name})\n")
         print(format_table(rows, ["shape", "H", "T", "routing", "impl", "us", "MB_sent", "vs_naive",
                                   "roof_frac", "vs_a2a", "checked"]))
-    dist.destroy_process_group()
+    leave_process_group()
     return 0
 
 

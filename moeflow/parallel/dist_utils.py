@@ -210,3 +210,21 @@ def check_same_across_ranks(
             f"{what}: ranks were set up with different configs: " + "; ".join(bad)
             + f" (this is rank {dist.get_rank(group)}; every rank must build the same layer)"
         )
+
+
+def leave_process_group() -> None:
+    """Barrier, then destroy the default group: every rank leaves together.
+
+    A rank that tears gloo down while a peer still talks to it aborts at interpreter
+    exit ("terminate called without an active exception"); finished async work handles
+    are collected first so none outlives the group.
+    """
+    import gc
+
+    if not dist.is_initialized():
+        return
+    gc.collect()
+    try:
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()

@@ -27,6 +27,8 @@ import os
 import torch
 import torch.distributed as dist
 
+from .dist_utils import leave_process_group
+
 __all__ = ["run_ep_demo"]
 
 
@@ -75,7 +77,7 @@ def run_ep_demo(
     try:
         return _demo(rank, world, group, device, mode, tokens, timeout_s, prompt_len)
     finally:
-        dist.destroy_process_group()
+        leave_process_group()
 
 
 def _demo(rank, world, group, device, mode, tokens, timeout_s, prompt_len) -> int:
