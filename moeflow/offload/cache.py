@@ -34,8 +34,34 @@ import torch
 from .policy import EvictionPolicy, Key
 
 
+class CacheRates:
+    """Rates derived from hit / miss / prefetch counts (shared by live stats and replays)."""
+
+    hits: int
+    misses: int
+    prefetch_used: int
+    prefetch_wasted: int
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def prefetch_precision(self) -> float:
+        """Prefetched experts used before eviction / prefetches decided (used + wasted; pending excluded)."""
+        done = self.prefetch_used + self.prefetch_wasted
+        return self.prefetch_used / done if done else 0.0
+
+    @property
+    def prefetch_recall(self) -> float:
+        """Of the experts that had to come from the host, the share a prefetch brought in time."""
+        d = self.prefetch_used + self.misses
+        return self.prefetch_used / d if d else 0.0
+
+
 @dataclass
-class CacheStats:
+class CacheStats(CacheRates):
     """Counters of one cache (mutable; `snapshot()` gives a dict).
 
     hits / misses:     demand keys found resident / copied on demand.
@@ -58,17 +84,6 @@ class CacheStats:
     steps: int = 0
     wait_s: float = 0.0
     wait_unmeasured: int = 0
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        """Used / decided prefetches (pending ones excluded)."""
-        done = self.prefetch_used + self.prefetch_wasted
-        return self.prefetch_used / done if done else 0.0
 
     def snapshot(self) -> dict:
         d = asdict(self)

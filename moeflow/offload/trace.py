@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import SlotTable
+from .cache import CacheRates, SlotTable
 from .policy import Belady, Key, make_policy
 
 TRACE_VERSION = 1
@@ -242,7 +242,7 @@ def record_trace(model_or_layers, *, width: int | None = None, meta: dict | None
 
 
 @dataclass
-class ReplayResult:
+class ReplayResult(CacheRates):
     """Counts of one replay (bytes use the trace's expert_bytes)."""
 
     policy: str
@@ -256,23 +256,6 @@ class ReplayResult:
     prefetch_used: int
     prefetch_wasted: int
     bytes_copied: int
-
-    @property
-    def hit_rate(self) -> float:
-        n = self.hits + self.misses
-        return self.hits / n if n else 0.0
-
-    @property
-    def prefetch_precision(self) -> float:
-        """Prefetched experts used before eviction / prefetches decided (used + wasted)."""
-        d = self.prefetch_used + self.prefetch_wasted
-        return self.prefetch_used / d if d else 0.0
-
-    @property
-    def prefetch_recall(self) -> float:
-        """Of the experts that had to come from the host, the share a prefetch brought in time."""
-        d = self.prefetch_used + self.misses
-        return self.prefetch_used / d if d else 0.0
 
     @property
     def misses_per_token(self) -> float:
