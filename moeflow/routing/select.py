@@ -120,7 +120,6 @@ def route_reference(
     hash_table: torch.Tensor | None = None,
 ) -> RoutingResult:
     """The torch reference of the selection (no validation; see `route`)."""
-    T = logits_TS.shape[0]
     K = spec.top_k
     scores = scores_TS(logits_TS, spec)
     if spec.hash_routing:
@@ -154,7 +153,6 @@ def route_reference(
         weights_TK = weights_TK * expert_scale.float()[ids_TK]
     if spec.scaling_factor != 1.0:
         weights_TK = weights_TK * spec.scaling_factor
-    del T
     return RoutingResult(ids_TK=ids_TK.to(torch.int32), weights_TK=weights_TK.to(torch.float32).contiguous())
 
 
