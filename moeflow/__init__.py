@@ -10,8 +10,7 @@ without Triton or transformers loaded):
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from ._lazy import lazy_exports
 
 __version__ = "0.1.0"
 
@@ -43,14 +42,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moeflow' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("moeflow", globals(), _EXPORTS)

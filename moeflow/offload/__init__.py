@@ -13,8 +13,7 @@ Names are imported lazily so `import moeflow.offload` stays light.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moeflow._lazy import lazy_exports
 
 _EXPORTS = {
     "OffloadConfig": "moeflow.offload.config",
@@ -34,14 +33,4 @@ _EXPORTS = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moeflow.offload' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return __all__
+__getattr__, __dir__ = lazy_exports("moeflow.offload", globals(), _EXPORTS)

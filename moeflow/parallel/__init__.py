@@ -6,8 +6,7 @@ machinery until it is used.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from moeflow._lazy import lazy_exports
 
 _EXPORTS: dict[str, str] = {
     "ep_plan": "moeflow.parallel.plan",
@@ -29,10 +28,4 @@ _EXPORTS: dict[str, str] = {
 __all__ = sorted(_EXPORTS)
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moeflow.parallel' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
+__getattr__, __dir__ = lazy_exports("moeflow.parallel", globals(), _EXPORTS)
