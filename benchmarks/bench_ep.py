@@ -119,8 +119,8 @@ def bench_point(shape: str, dims: dict, T: int, kind: str, *, h_div: int, reps: 
     disp = AllToAllDispatcher(placement, group)
 
     def a2a():
-        h = disp.dispatch(x, ids, w)
-        y = disp.combine(h.recv_x_NH, h)
+        h = disp.dispatch_pairs(x, ids, w)
+        y = disp.combine_pairs(h.recv_x_NH, h)
         return combine_TH(y, w, out_dtype=dtype), h
 
     out, h = a2a()
@@ -133,8 +133,8 @@ def bench_point(shape: str, dims: dict, T: int, kind: str, *, h_div: int, reps: 
         sdisp = AllToAllDispatcher(placement, group, static_tokens=T)
 
         def a2a_static():
-            hs = sdisp.dispatch(x, ids, w)
-            return combine_TH(sdisp.combine(hs.recv_x_NH, hs), w, out_dtype=dtype), hs
+            hs = sdisp.dispatch_pairs(x, ids, w)
+            return combine_TH(sdisp.combine_pairs(hs.recv_x_NH, hs), w, out_dtype=dtype), hs
 
         out_s, hs = a2a_static()
         ok_s = bool(torch.equal(out_s, ref))

@@ -1,8 +1,15 @@
 """The `moeflow` command: demo, info, route, bench, trace.
 
-A user's mistake (a missing config.json, an unsupported family, a CUDA-only
-option on CPU) prints one line and what to do, and exits 2; `--debug` shows
-the traceback instead.
+A user's mistake (a missing or malformed config.json, an unsupported family, a
+CUDA-only option on CPU, an empty prompt, a corrupt trace) prints exactly two lines
+on stderr and exits 2:
+
+    moeflow COMMAND: error: WHAT WENT WRONG (one line: the field, its value, what was expected)
+      hint: WHAT TO DO
+
+`--debug` (anywhere on the line) shows the traceback instead. Every subcommand,
+including `trace record` and `bench routing` (the benchmark script's own options),
+has `--help`; `moeflow --version` prints the version.
 """
 
 from __future__ import annotations
@@ -11,6 +18,11 @@ import argparse
 import importlib
 import sys
 from collections.abc import Sequence
+
+# What a user can cause and fix: turned into the two-line message above. OSError covers a
+# missing file, a directory where a file belongs and transformers' unreadable-checkpoint
+# errors; ImportError a missing optional package.
+_USER_ERRORS = (ValueError, TypeError, OSError, NotImplementedError, ImportError)
 
 
 class UserError(Exception):
@@ -23,7 +35,7 @@ class UserError(Exception):
 
 def _cmd_demo(args: argparse.Namespace) -> int:
     if args.ep:
-        from .parallel.ep_demo import run_ep_demo
+        from .demo_ep import run_ep_demo
 
         return int(run_ep_demo(expected_world=args.ep) or 0)
     from .demo import run_demo
@@ -54,6 +66,14 @@ _BENCH_MODULES = {
 
 
 def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
+    if args.which is None:
+        if args.help:
+            args.parser.print_help()
+            args.parser.exit(0)  # SystemExit(0), as argparse's own --help does
+        args.parser.error(f"the following arguments are required: which (one of {', '.join(sorted(_BENCH_MODULES))})")
+    if args.help:
+        # `moeflow bench routing --help`: the script's own options.
+        rest = [*rest, "--help"]
     name = _BENCH_MODULES[args.which]
     # The scripts live in the checkout's benchmarks/ folder, not in the installed package.
     import os
@@ -63,17 +83,31 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
     try:
         module = importlib.import_module(name)
     except ModuleNotFoundError as exc:
+        if (exc.name or "").split(".")[0] != "benchmarks":
+            raise _missing_package(args.which, exc) from exc
         raise UserError(
             f"benchmark {args.which!r} needs the repository's benchmarks/ folder ({exc.name} not importable)",
             "run it from a checkout of moeflow: cd moeflow && moeflow bench " + args.which,
         ) from exc
     dirs = ["."] + [rest[i + 1] for i, a in enumerate(rest[:-1]) if a in ("--out", "--out-dir")]
     before = _json_mtimes(dirs)
-    rc = int(module.main(list(rest)) or 0)
+    try:
+        rc = int(module.main(list(rest)) or 0)
+    except ModuleNotFoundError as exc:  # an optional package a mode of the script imports late (triton)
+        raise _missing_package(args.which, exc) from exc
     if args.plot:
         for path in sorted(p for p, t in _json_mtimes(dirs).items() if before.get(p) != t):
             print(f"plot: {_plot_bench_json(path)}")
     return rc
+
+
+def _missing_package(which: str, exc: ModuleNotFoundError) -> UserError:
+    top = (exc.name or str(exc)).split(".")[0]
+    hint = f"pip install {top}"
+    if top == "triton":
+        hint = ("pip install 'moeflow[gpu]' (Triton); TRITON_INTERPRET=1 runs its interpreter on the CPU "
+                "but still needs the package")
+    return UserError(f"benchmark {which!r} needs the Python package {top!r}, which is not installed", hint)
 
 
 def _json_mtimes(dirs: list[str]) -> dict[str, float]:
@@ -104,15 +138,24 @@ def _plot_bench_json(path: str) -> str:
     return out
 
 
-def _cmd_trace(args: argparse.Namespace, rest: list[str]) -> int:
-    from .offload import trace
+def _version() -> str:
+    from . import __version__
 
-    return int(trace.main([args.action, *rest]) or 0)
+    try:  # the installed distribution's metadata, when it is installed (it should agree)
+        from importlib.metadata import version
+
+        installed = version("moeflow")
+    except Exception:
+        installed = None
+    return __version__ if installed in (None, __version__) else f"{__version__} (installed metadata: {installed})"
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from .cli_trace import add_trace_parser
+
     p = argparse.ArgumentParser(prog="moeflow", description="Exact, fast Mixture-of-Experts layers for LLM inference.")
-    p.add_argument("--debug", action="store_true", help="show tracebacks for errors")
+    p.add_argument("--debug", action="store_true", help="show tracebacks for errors (accepted anywhere on the line)")
+    p.add_argument("--version", action="version", version=f"moeflow {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="run a tiny MoE model end to end and check it against transformers")
@@ -129,48 +172,67 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("route", help="run a checkpoint on a prompt and show which experts each token chose")
     r.add_argument("path")
     r.add_argument("--prompt", required=True)
-    r.add_argument("--max-tokens", type=int, default=32)
+    r.add_argument("--max-tokens", type=int, default=None,
+                   help="route only the prompt's first N tokens (default: all of it, up to the model's context)")
     r.set_defaults(func=_cmd_route)
 
-    b = sub.add_parser("bench", help="run a benchmark script (table + JSON); extra args go to the script")
-    b.add_argument("which", choices=sorted(_BENCH_MODULES))
+    b = sub.add_parser("bench", add_help=False,
+                       help="run a benchmark script (table + JSON); extra args go to the script",
+                       description="Run a benchmark script from a checkout's benchmarks/ folder; the arguments "
+                                   "after WHICH go to the script (`moeflow bench WHICH --help` lists them).")
+    b.add_argument("-h", "--help", action="store_true",
+                   help="show this help (after WHICH: the benchmark script's own options)")
+    b.add_argument("which", nargs="?", choices=sorted(_BENCH_MODULES))
     b.add_argument("--plot", action="store_true", help="also write PNG plots")
-    b.set_defaults(func=_cmd_bench, takes_rest=True)
+    b.set_defaults(func=_cmd_bench, takes_rest=True, parser=b)
 
-    t = sub.add_parser("trace", help="record, replay or plot routing traces; extra args go to the action")
-    t.add_argument("action", choices=["record", "replay", "stats", "plot"])
-    t.set_defaults(func=_cmd_trace, takes_rest=True)
+    add_trace_parser(sub)
     return p
 
 
+def _split_debug(argv: list[str]) -> tuple[list[str], bool]:
+    """Remove `--debug` wherever it sits (before "--"): the flag means the same at any position."""
+    end = argv.index("--") if "--" in argv else len(argv)
+    head = [a for a in argv[:end] if a != "--debug"]
+    return head + argv[end:], len(head) != end
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, debug = _split_debug(list(sys.argv[1:] if argv is None else argv))
     parser = build_parser()
     args, rest = parser.parse_known_args(argv)
     if rest and not getattr(args, "takes_rest", False):
         parser.error(f"unrecognized arguments: {' '.join(rest)}")
+    command = " ".join(x for x in (args.command, getattr(args, "action", None)) if x)
     try:
         if getattr(args, "takes_rest", False):
             return args.func(args, rest)
         return args.func(args)
-    except (UserError, ValueError, TypeError, FileNotFoundError, NotImplementedError) as exc:
-        if args.debug:
+    except (UserError, *_USER_ERRORS) as exc:
+        if debug:
             raise
         hint = getattr(exc, "hint", "") or _hint_for(exc)
-        print(f"moeflow {args.command}: error: {exc}", file=sys.stderr)
-        if hint:
-            print(f"  hint: {hint}", file=sys.stderr)
+        print(f"moeflow {command}: error: {_one_line(exc)}", file=sys.stderr)
+        print(f"  hint: {_one_line(hint)}", file=sys.stderr)
         return 2
+
+
+def _one_line(exc: BaseException | str) -> str:
+    """The message on one line (transformers' and safetensors' messages can span several)."""
+    text = str(exc) if str(exc) else type(exc).__name__
+    return " ".join(text.split())
 
 
 def _hint_for(exc: BaseException) -> str:
     text = str(exc)
-    if "config.json" in text:
+    if "config.json" in text or "safetensors" in text or "pytorch_model.bin" in text:
         return "point PATH at a Hugging Face checkpoint directory (it holds config.json and *.safetensors)"
     if "not a supported MoE family" in text:
         return "moeflow handles the MoE families listed above; dense models need no moeflow"
     if "CUDA" in text or "cuda" in text:
         return "this option needs a GPU; drop it or run on a machine with CUDA"
+    if "trace" in text:
+        return "record a trace with `moeflow trace record MODEL_DIR --out t.jsonl`, then pass that file"
     return "run with --debug for the traceback"
 
 

@@ -19,9 +19,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
+from .quant.spec import QuantSpec
 from .routing.spec import RouterSpec
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "swiglu_clamp", "gptoss")
@@ -130,6 +132,19 @@ class ExpertWeights:
 
     All tensors share one floating dtype and one device. E counts the experts held
     here: after `subset` (expert parallelism) it is the local count, not the model's.
+
+    Quantized experts (`quant` a moeflow.quant.QuantSpec; table in moeflow.quant.experts):
+    gate_up / down then hold the stored quantized data as checkpoints do, [E, 2I, H/P] and
+    [E, H, I/P] ([E, out, in], P = 2 packed FP4 values a byte, 1 for FP8) whatever the
+    layout, which names the form `dequantize(dtype)` returns. `dtype` is then the storage
+    dtype (float8_e4m3fn / uint8); biases keep a floating dtype of their own.
+    quant:               QuantSpec or None (plain floating weights).
+    gate_up_scale:       block scales of gate_up (fp8_block: gate's grid then up's).
+    down_scale:          block scales of down.
+    gate_up_scale_2:     nvfp4 weight_scale_2 [E, 2] f32 (gate, up), else None.
+    down_scale_2:        nvfp4 weight_scale_2 [E] f32, else None.
+    gate_up_input_scale: nvfp4 input_scale [E, 2] f32 (static activation scale) or None.
+    down_input_scale:    nvfp4 input_scale [E] f32 or None.
     """
 
     gate_up: torch.Tensor
@@ -138,14 +153,31 @@ class ExpertWeights:
     down_bias: torch.Tensor | None = None
     layout: str = "linear"
     interleaved: bool = False
+    quant: QuantSpec | None = None
+    gate_up_scale: torch.Tensor | None = None
+    down_scale: torch.Tensor | None = None
+    gate_up_scale_2: torch.Tensor | None = None
+    down_scale_2: torch.Tensor | None = None
+    gate_up_input_scale: torch.Tensor | None = None
+    down_input_scale: torch.Tensor | None = None
     # Derived sizes, filled by __post_init__ (frozen: set through object.__setattr__).
     _sizes: tuple[int, int, int] = field(default=(0, 0, 0), init=False, repr=False, compare=False)
+    # Every per-expert tensor field (leading dim E), in one place for subset / nbytes.
+    TENSOR_FIELDS: ClassVar[tuple[str, ...]] = (
+        "gate_up", "down", "gate_up_bias", "down_bias", "gate_up_scale", "down_scale", "gate_up_scale_2",
+        "down_scale_2", "gate_up_input_scale", "down_input_scale")
 
     def __post_init__(self) -> None:
         if self.layout not in LAYOUTS:
             raise ValueError(f"ExpertWeights.layout={self.layout!r}: expected one of {LAYOUTS}")
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"ExpertWeights.interleaved={self.interleaved!r}: expected a bool")
+        if self.quant is not None or any(getattr(self, n) is not None for n in self.TENSOR_FIELDS[4:]):
+            # Quantized storage has its own shape and dtype rules (one place: moeflow.quant.experts).
+            from .quant.experts import check_quantized
+
+            object.__setattr__(self, "_sizes", check_quantized(self))
+            return
         for name in ("gate_up", "down"):
             t = getattr(self, name)
             if not isinstance(t, torch.Tensor):
@@ -226,6 +258,32 @@ class ExpertWeights:
     def device(self) -> torch.device:
         return self.gate_up.device
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes of every tensor held (weights, biases, scales), as stored."""
+        return sum(t.numel() * t.element_size() for n in self.TENSOR_FIELDS if (t := getattr(self, n)) is not None)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of one expert (nbytes / E): what an offload slot or an EP transfer moves per expert."""
+        return self.nbytes // self.num_experts
+
+    def dequantize(self, dtype: torch.dtype) -> ExpertWeights:
+        """Plain (unquantized) weights of `dtype` in this layout, values computed in f32 from the scales.
+
+        Unquantized weights are cast (self when every tensor already has `dtype`). The
+        numerical contract per format is in moeflow.quant.formats.
+        """
+        if self.quant is not None:
+            from .quant.experts import dequantize_experts
+
+            return dequantize_experts(self, dtype)
+        names = ("gate_up", "down", "gate_up_bias", "down_bias")
+        if all(getattr(self, n) is None or getattr(self, n).dtype == dtype for n in names):
+            return self
+        return ExpertWeights(*(None if getattr(self, n) is None else getattr(self, n).to(dtype) for n in names),
+                             layout=self.layout, interleaved=self.interleaved)
+
     def check_config(self, config: MoEConfig) -> None:
         """Raise ValueError naming the field where these weights disagree with `config`.
 
@@ -285,4 +343,6 @@ class ExpertWeights:
             take(self.down_bias),
             layout=self.layout,
             interleaved=self.interleaved,
+            quant=self.quant,
+            **{n: take(getattr(self, n)) for n in self.TENSOR_FIELDS[4:]},
         )

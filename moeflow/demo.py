@@ -131,7 +131,7 @@ def run_demo_result(
     """The demo, returning what it saw (see the module docstring). `out` gets each line."""
     if isinstance(tokens, bool) or not isinstance(tokens, int) or tokens < 1:
         raise ValueError(f"tokens={tokens!r}: expected an int >= 1")
-    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = _resolve_device(device)
     if model is None:
         model = EMBEDDED_MODEL if (EMBEDDED_MODEL / "config.json").is_file() else "random"
     if model == "random":
@@ -145,6 +145,24 @@ def run_demo_result(
         return _run(out, device, tokens=tokens, model=model, experts=experts, seed=seed)
     finally:
         torch.set_num_threads(threads)
+
+
+def _resolve_device(device: str | torch.device | None) -> torch.device:
+    """`device`, or cuda when available, else cpu; ValueError before any model is built when it cannot run."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError, TypeError) as exc:
+        raise ValueError(f"device={device!r}: not a torch device ({exc}); expected 'cpu' or 'cuda'") from exc
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"device={device!r}: CUDA is not available on this machine; expected 'cpu' "
+                         f"(or no --device: cuda when available, else cpu)")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
+    return dev
 
 
 def _run(out, device: torch.device, *, tokens: int, model, experts: str, seed: int) -> DemoResult:

@@ -7,6 +7,7 @@ header at the start of each file): no tensor is loaded.
 from __future__ import annotations
 
 import json
+import os
 import re
 import struct
 from collections import defaultdict
@@ -16,14 +17,43 @@ from pathlib import Path
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 0.5}
 _LAYER_RE = re.compile(r"layers\.(\d+)\.")
+_EXPERT_ID_RE = re.compile(r"\.experts\.(\d+)\.")
 
 
 def read_safetensors_header(path: Path) -> dict[str, dict]:
-    """The tensor table of one .safetensors file: name -> {dtype, shape, data_offsets} (no data read)."""
+    """The tensor table of one .safetensors file: name -> {dtype, shape, data_offsets} (no data read).
+
+    ValueError naming the file when it is not a safetensors file or is shorter than its
+    header says (a truncated download): the sizes `info` prints come from this table.
+    """
+    size = os.path.getsize(path)
     with open(path, "rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        header = json.loads(f.read(n))
+        raw = f.read(8)
+        if len(raw) < 8:
+            raise ValueError(f"{path}: {size} bytes, too short for a safetensors header (truncated or not safetensors)")
+        (n,) = struct.unpack("<Q", raw)
+        if n > size - 8:
+            raise ValueError(f"{path}: header of {n} bytes, but the file holds {size} bytes (truncated?)")
+        try:
+            header = json.loads(f.read(n))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise ValueError(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from exc
+    if not isinstance(header, dict):
+        raise ValueError(f"{path}: safetensors header is {type(header).__name__}, expected a JSON object")
     header.pop("__metadata__", None)
+    data_bytes = size - 8 - n
+    for name, entry in header.items():
+        try:
+            begin, end = (int(x) for x in entry["data_offsets"])
+            entry["shape"], entry["dtype"]  # noqa: B018 - presence check
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"{path}: header entry {name!r} lacks dtype/shape/data_offsets: {entry!r}") from exc
+        if end > data_bytes:
+            raise ValueError(f"{path}: tensor {name!r} ends at data byte {end}, but the file holds {data_bytes} "
+                             f"data bytes (truncated: {size} bytes on disk, {8 + n + end} expected at least)")
+        if entry["dtype"] in _DTYPE_BYTES and end - begin != _tensor_bytes(entry):
+            raise ValueError(f"{path}: tensor {name!r} {entry['dtype']}{list(entry['shape'])} needs "
+                             f"{_tensor_bytes(entry)} bytes, its data_offsets hold {end - begin}")
     return header
 
 
@@ -62,12 +92,44 @@ class CheckpointInfo:
 
 
 def _load_config(path: Path):
+    """The checkpoint's transformers config; ValueError naming config.json and the fault."""
+    if not path.is_dir():
+        raise FileNotFoundError(f"{path} is not a directory (expected a checkpoint dir with config.json)")
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise FileNotFoundError(f"no config.json in {path}")
+    try:
+        raw = json.loads(cfg_file.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"{cfg_file}: not valid JSON ({exc})") from exc
+    if not isinstance(raw, dict) or "model_type" not in raw:
+        raise ValueError(f"{cfg_file}: no 'model_type' (expected a Hugging Face model config)")
     from transformers import AutoConfig
 
-    return AutoConfig.from_pretrained(str(path))
+    try:
+        return AutoConfig.from_pretrained(str(path))
+    except (OSError, KeyError, ValueError, TypeError) as exc:
+        raise ValueError(f"{cfg_file}: transformers cannot read it ({type(exc).__name__}: {exc})") from exc
+
+
+def _stored_experts(root: Path, names: dict[str, dict]) -> int | None:
+    """Routed experts stored for one layer: per-expert keys `experts.{e}.` or fused [E, ...] tensors.
+
+    ValueError when the layer's tensors disagree among themselves (expert ids with gaps,
+    fused tensors of different first dimensions).
+    """
+    ids = {int(m.group(1)) for n in names if (m := _EXPERT_ID_RE.search(n))}
+    fused = {n: e["shape"][0] for n, e in names.items() if not _EXPERT_ID_RE.search(n) and e["shape"]}
+    counts = set(fused.values())
+    if ids:
+        if ids != set(range(max(ids) + 1)):
+            missing = sorted(set(range(max(ids) + 1)) - ids)
+            raise ValueError(f"{root}: experts {missing[:8]} missing among stored experts 0..{max(ids)}")
+        counts.add(max(ids) + 1)
+    if len(counts) > 1:
+        raise ValueError(f"{root}: routed expert tensors of one layer disagree on E: {sorted(counts)} "
+                         f"(fused: {dict(list(fused.items())[:4])})")
+    return counts.pop() if counts else None
 
 
 def checkpoint_info(path: str | Path, *, slots: int | None = None) -> CheckpointInfo:
@@ -75,14 +137,13 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
     from .routing.families import family_of, router_spec_from_hf
 
     root = Path(path)
-    if not root.is_dir():
-        raise FileNotFoundError(f"{root} is not a directory (expected a checkpoint dir with config.json)")
     config = _load_config(root)
     family = family_of(config)
     files = sorted(root.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"no *.safetensors files in {root}")
+        raise FileNotFoundError(f"no *.safetensors files in {root} (the weights are missing)")
     routed_by_layer: dict[int, int] = defaultdict(int)
+    routed_names: dict[int, dict[str, dict]] = defaultdict(dict)
     other = 0
     for f in files:
         for name, entry in read_safetensors_header(f).items():
@@ -90,6 +151,7 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
             is_routed = ".experts." in name and "shared" not in name
             if m and is_routed:
                 routed_by_layer[int(m.group(1))] += _tensor_bytes(entry)
+                routed_names[int(m.group(1))][name] = entry
             else:
                 other += _tensor_bytes(entry)
     moe_layers = tuple(sorted(routed_by_layer))
@@ -97,6 +159,14 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
         raise ValueError(f"{root}: no routed expert tensors ('.experts.' in the name) found")
     spec = router_spec_from_hf(config, moe_layers[0])
     E, K = spec.num_experts, spec.top_k
+    for layer in moe_layers:
+        # Every size below divides by E: a config that disagrees with the tensors would print
+        # plausible, wrong numbers.
+        stored = _stored_experts(root, routed_names[layer])
+        want = router_spec_from_hf(config, layer).num_experts
+        if stored is not None and stored != want:
+            raise ValueError(f"{root}: config.json says E={want} routed experts, but layer {layer}'s tensors "
+                             f"store {stored}")
     expert_bytes = routed_by_layer[moe_layers[0]] // E
     routed = sum(routed_by_layer.values())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
@@ -163,43 +233,72 @@ def _ranges(ids: tuple[int, ...]) -> str:
     return ",".join(out)
 
 
-def encode_prompt(path: Path, prompt: str, vocab_size: int):
-    """Token ids for `prompt`: the checkpoint's tokenizer if it ships one, else UTF-8 bytes."""
+def encode_prompt(path: Path, prompt: str | bytes, vocab_size: int):
+    """int64 [1, N] token ids for `prompt`: the checkpoint's tokenizer if it ships one, else UTF-8 bytes.
+
+    bytes are used as they are by a byte-level model, decoded as UTF-8 for a tokenizer.
+    """
     import torch
 
+    data = prompt if isinstance(prompt, bytes) else prompt.encode("utf-8")
     tok_cfg = path / "tokenizer_config.json"
     if tok_cfg.is_file() and "ByT5Tokenizer" in tok_cfg.read_text():
         # Byte-level (the embedded model): pad 0, eos 1, unk 2, byte b -> b + 3.
-        return torch.tensor([[b + 3 for b in prompt.encode("utf-8")]], dtype=torch.long)
+        return torch.tensor([[b + 3 for b in data]], dtype=torch.long).reshape(1, -1)
     if (path / "tokenizer.json").is_file() or tok_cfg.is_file():
         from transformers import AutoTokenizer
 
-        return AutoTokenizer.from_pretrained(str(path))(prompt, return_tensors="pt").input_ids
-    data = list(prompt.encode("utf-8"))
+        text = data.decode("utf-8", errors="replace")
+        return AutoTokenizer.from_pretrained(str(path))(text, return_tensors="pt").input_ids
     if vocab_size < 256:
         raise ValueError(f"{path}: no tokenizer and vocab_size={vocab_size} < 256, cannot byte-encode the prompt")
-    return torch.tensor([data], dtype=torch.long)
+    return torch.tensor([list(data)], dtype=torch.long).reshape(1, -1)
 
 
-def route_prompt(path: str | Path, prompt: str, *, max_tokens: int = 32) -> str:
-    """Run the model on the prompt and tabulate, per MoE layer, each token's experts and the load."""
+def route_prompt(path: str | Path, prompt: str, *, max_tokens: int | None = None) -> str:
+    """Run the model on the prompt and tabulate, per MoE layer, each token's experts and the load.
+
+    max_tokens: route only the first N tokens (said in the first line of the table);
+    None routes the whole prompt. A prompt longer than the model's context
+    (max_position_embeddings) is refused rather than cut.
+    """
     import torch
     from transformers import AutoModelForCausalLM
 
     from .hf import patch_model
     from .layer import MoELayer
 
+    if max_tokens is not None and (isinstance(max_tokens, bool) or not isinstance(max_tokens, int)
+                                   or max_tokens < 1):
+        raise ValueError(f"--max-tokens={max_tokens!r}: expected an int >= 1 (tokens of the prompt to route)")
+    if not isinstance(prompt, str) or not prompt:
+        raise ValueError(f"--prompt={prompt!r}: expected a non-empty text to route")
     root = Path(path)
-    _load_config(root)
+    # Headers only: config.json, the family, weights present and matching the config, before
+    # transformers loads (or silently re-initialises) anything.
+    checkpoint_info(root)
     model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
     model.eval()
+    text_cfg = model.config.get_text_config()
+    ids = encode_prompt(root, prompt, text_cfg.vocab_size)
+    n_prompt = ids.shape[1]
+    if n_prompt == 0:
+        raise ValueError(f"--prompt={prompt!r}: the tokenizer gives 0 tokens, expected at least one")
+    if max_tokens is not None:
+        ids = ids[:, :max_tokens]
+    context = getattr(text_cfg, "max_position_embeddings", None)
+    if context is not None and ids.shape[1] > context:
+        raise PromptTooLongError(
+            f"--prompt: {ids.shape[1]} tokens exceed the model's context of {context} "
+            f"(max_position_embeddings in config.json)", n_tokens=ids.shape[1], context=context)
     patch_model(model)
-    ids = encode_prompt(root, prompt, model.config.get_text_config().vocab_size)[:, :max_tokens]
     with torch.no_grad():
         model(input_ids=ids)
     layers = [m for m in model.modules() if isinstance(m, MoELayer)]
     toks = ids[0].tolist()
-    lines = [f"{len(toks)} tokens, {len(layers)} MoE layers; rows: layer, columns: tokens; cell: expert ids"]
+    shown = f"{len(toks)} tokens" if len(toks) == n_prompt else \
+        f"{len(toks)} tokens (first {len(toks)} of the prompt's {n_prompt}, --max-tokens {max_tokens})"
+    lines = [f"{shown}, {len(layers)} MoE layers; rows: layer, columns: tokens; cell: expert ids"]
     for layer in layers:
         r = layer.last_routing
         ids_TK = r.ids_TK.cpu()
@@ -210,3 +309,12 @@ def route_prompt(path: str | Path, prompt: str, *, max_tokens: int = 32) -> str:
         lines.append(f"L{layer.layer_idx:<3} " + " ".join(f"{c:>7}" for c in cells))
         lines.append(f"     load {load.tolist()}  max/mean={balance:.2f}")
     return "\n".join(lines)
+
+
+class PromptTooLongError(ValueError):
+    """A prompt longer than the model's context; `hint` says how to route part of it."""
+
+    def __init__(self, message: str, *, n_tokens: int, context: int) -> None:
+        super().__init__(message)
+        self.n_tokens, self.context = n_tokens, context
+        self.hint = f"shorten the prompt, or pass --max-tokens {context} to route its first {context} tokens"

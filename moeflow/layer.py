@@ -1,22 +1,29 @@
-"""MoELayer: router -> local dispatch -> experts -> combine (+ shared expert, added once).
+"""MoELayer: the one forward that strings the stages together.
 
-Legend: B batch, S sequence, T = B*S tokens, H hidden size, E routed experts,
-Z LongCat zero experts, E+Z router columns, K picks per token, I intermediate size
-per expert, V vocabulary (hash layers), N (token, slot) pairs sent to routed experts.
+    routing = run_router(router_weights, spec, x_TH)                 # moeflow.routing.router
+    handle  = dispatcher.dispatch(x_TH, routing, spec, fused=...)    # Local | AllToAll | AllReduce
+    y       = source.run(impl, handle.batch, config, step_input=x_TH)   # Resident | Offloaded
+    out_TH  = dispatcher.combine(y, handle) + shared(x_TH)
 
-Tensor storage (no copies): every tensor handed to the constructor is registered on
-the layer by reference. An `nn.Parameter` is registered as that same Parameter object
-(so it is shared with the model it came from, and `.to()` converts it in place for
-both); a view along dim 0 of a Parameter (e.g. LongCat's `gate_up_proj[:E]`, whose
-Parameter also holds rows for the zero experts) is stored as the whole Parameter plus
-the row range and re-sliced at each use, so it too survives `.to()`; any other tensor
-is registered as a buffer. Registered names: router_weight, router_bias,
-selection_bias, expert_scale, prenorm_weight, hash_table, gate_up, down, gate_up_bias,
-down_bias, shared_gate_weight (a narrowed Parameter is registered as `<name>_full`),
-and the shared expert as the child module `shared_expert`.
+Expert parallelism is a dispatcher choice (`moeflow.parallel.ep.shard_layer`), offload a
+source choice (`moeflow.offload.attach_offload`), and the experts implementation
+(reference | grouped | triton | triton_bi) a third, independent one: they compose, and
+none of them subclasses, wraps or patches this class.
+
+Legend: B batch, S sequence, T = B*S tokens, H hidden size, E routed experts, Z LongCat
+zero experts, E+Z router columns, K picks per token, I intermediate size per expert,
+V vocabulary (hash layers), N (token, slot) rows sent to routed experts.
+
+Tensor storage (no copies, `moeflow.refs`): router tensors are registered on the layer by
+reference under router_weight, router_bias, selection_bias, expert_scale, prenorm_weight,
+hash_table, shared_gate_weight; the resident experts' tensors on the child module
+`source` (gate_up, down, gate_up_bias, down_bias); the shared expert is the child module
+`shared_expert`. A narrowed Parameter is registered as `<name>_full`.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
@@ -24,14 +31,84 @@ from torch import nn
 
 from .config import ExpertWeights, MoEConfig
 from .experts.select import select_experts_impl
-from .parallel.local import combine_TH, dispatch_rows, local_dispatch, unpermute_TKH
-from .routing.logits import router_logits
-from .routing.select import route
-from .types import RoutingResult
+from .experts.source import ResidentExperts, run_impl
+from .parallel.local import LOCAL
+from .refs import TensorRefs
+from .routing.router import RouterWeights, run_router
+from .routing.router import router_input as _router_input
+from .types import Dispatcher, ExpertBatch, ExpertSource, PairBatch, RoutingResult
 
-__all__ = ["MoELayer", "run_experts"]
+__all__ = ["MoELayer", "run_experts", "routed_forward"]
 
-_EXPERT_TENSORS = ("gate_up", "down", "gate_up_bias", "down_bias")
+# MoELayer storage name -> RouterWeights field.
+_ROUTER_FIELDS = {
+    "router_weight": "weight_EH",
+    "router_bias": "router_bias_E",
+    "selection_bias": "selection_bias_E",
+    "expert_scale": "expert_scale_E",
+    "prenorm_weight": "prenorm_weight_H",
+    "hash_table": "hash_table_VK",
+}
+_EXPERT_TENSORS = ExpertWeights.TENSOR_FIELDS
+
+
+def _check_routing_shapes(x_TH: torch.Tensor, routing: RoutingResult, K: int) -> None:
+    T = int(x_TH.shape[0])
+    ids_TK, weights_TK = routing.ids_TK, routing.weights_TK
+    if ids_TK.shape != (T, K) or weights_TK.shape != (T, K):
+        raise ValueError(
+            f"routing: ids {tuple(ids_TK.shape)} / weights {tuple(weights_TK.shape)}, "
+            f"expected ({T}, K={K}) for x_TH {tuple(x_TH.shape)}"
+        )
+
+
+def routed_forward(
+    x_TH: torch.Tensor,
+    routing: RoutingResult,
+    config: MoEConfig,
+    *,
+    dispatcher: Dispatcher,
+    run: Callable[[object, ExpertBatch], torch.Tensor],
+    requested: object = "auto",
+    on_handle: Callable[[object], None] | None = None,
+    quant: object = None,
+) -> tuple[torch.Tensor, object]:
+    """dispatch -> experts -> combine for one routing: the routed part of every MoE forward.
+
+    Args:
+        x_TH: [T, H] expert input, dtype and device of the experts.
+        routing: ids_TK int [T, K] (ids >= E are zero experts), weights_TK float [T, K].
+        config: the layer's MoEConfig.
+        dispatcher: a Dispatcher (moeflow.types).
+        run: (impl, batch) -> y, the expert source's step.
+        requested: experts impl name ("auto", "reference", ...) or an impl object.
+        on_handle: called with the dispatch handle (diagnostics).
+        quant: the experts' QuantSpec (quantized weights select an impl that runs them), or None.
+
+    Returns:
+        (out_TH [T, H] in x's dtype, the impl that ran). out = sum over k in slot order of
+        w[t, k] * expert(x[t]) accumulated in f32; zero experts add w * x; with
+        router.weight_on_input (llama4) the expert input is w * x and the weight is 1.
+    """
+    spec = config.router
+    _check_routing_shapes(x_TH, routing, spec.top_k)
+    T = int(x_TH.shape[0])
+    if isinstance(requested, str):
+        impl = select_experts_impl(config, x_TH.device, T, requested, quant=quant)
+    else:
+        impl = requested
+    fused = dispatcher.fuses and spec.num_zero_experts == 0 and getattr(impl, "forward_tokens", None) is not None
+    if T == 0 and dispatcher.fuses:
+        return x_TH.new_zeros(0, config.hidden_size), impl
+    handle = dispatcher.dispatch(x_TH, routing, spec, fused=fused)
+    if on_handle is not None:
+        on_handle(handle)
+    batch = handle.batch
+    if isinstance(batch, PairBatch) and isinstance(requested, str) and not dispatcher.fuses:
+        # Rows arrive from other ranks: the impl (and its tiles) follows the rows computed here.
+        impl = select_experts_impl(config, x_TH.device, batch.num_tokens, requested, quant=quant)
+    y = run(impl, batch)
+    return dispatcher.combine(y, handle), impl
 
 
 def run_experts(
@@ -41,7 +118,7 @@ def run_experts(
     config: MoEConfig,
     impl,
 ) -> torch.Tensor:
-    """The routed part of the layer: dispatch, experts, combine (no router, no shared expert).
+    """The routed part of a layer on one device, for given weights: dispatch, experts, combine.
 
     Args:
         x_TH: [T, H] expert input, dtype and device of the experts.
@@ -51,80 +128,24 @@ def run_experts(
         impl: an experts implementation (moeflow.experts.select).
 
     Returns:
-        out_TH [T, H] in x's dtype: sum over k in slot order of w[t, k] * expert(x[t])
-        (accumulated in f32); zero experts add w * x; with router.weight_on_input
-        (llama4) the expert input is w * x and the combine weight is 1.
+        out_TH [T, H] in x's dtype (see `routed_forward`).
     """
-    spec = config.router
-    T, H = int(x_TH.shape[0]), int(x_TH.shape[1])
-    ids_TK, weights_TK = routing.ids_TK, routing.weights_TK
-    if ids_TK.shape != (T, spec.top_k) or weights_TK.shape != (T, spec.top_k):
-        raise ValueError(
-            f"routing: ids {tuple(ids_TK.shape)} / weights {tuple(weights_TK.shape)}, "
-            f"expected ({T}, K={spec.top_k}) for x_TH {tuple(x_TH.shape)}"
-        )
-    if T == 0:
-        return x_TH.new_zeros(0, H)
-    fused = getattr(impl, "forward_tokens", None)
-    if fused is not None and spec.num_zero_experts == 0:
-        return fused(x_TH, ids_TK, weights_TK, w, config)
-    d = local_dispatch(ids_TK, w.num_experts, num_zero_experts=spec.num_zero_experts)
-    x_NH = dispatch_rows(x_TH, d)
-    if spec.weight_on_input:
-        # llama4 scales the expert input by the router score, in the activations' dtype.
-        w_N1 = weights_TK.reshape(-1).index_select(0, d.order_N).to(x_TH.dtype).unsqueeze(1)
-        x_NH = x_NH * w_N1
-    y_NH = impl.forward_pairs(x_NH, d.expert_N, w, config)
-    y_TKH = unpermute_TKH(y_NH, d)
-    return combine_TH(
-        y_TKH,
-        weights_TK,
-        x_TH=x_TH,
-        zero_TK=d.zero_TK,
-        weight_on_input=spec.weight_on_input,
-        out_dtype=x_TH.dtype,
-    )
+    out_TH, _ = routed_forward(x_TH, routing, config, dispatcher=LOCAL,
+                               run=lambda im, batch: run_impl(im, batch, w, config), requested=impl, quant=w.quant)
+    return out_TH
 
 
-def _check_tensor(name: str, t, shape: tuple[int, ...] | None, *, floating: bool = True) -> None:
-    if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name}: expected a torch.Tensor, got {type(t).__name__}")
-    if shape is not None and tuple(t.shape) != shape:
-        raise ValueError(f"{name}: shape {tuple(t.shape)}, expected {shape}")
-    if floating and not t.dtype.is_floating_point:
-        raise TypeError(f"{name}: dtype {t.dtype}, expected a floating dtype")
-    if not floating and (t.dtype.is_floating_point or t.dtype == torch.bool):
-        raise TypeError(f"{name}: dtype {t.dtype}, expected an integer dtype")
-
-
-def _param_rows(t: torch.Tensor) -> tuple[nn.Parameter, int, int] | None:
-    """(base, start, length) when t is base.narrow(0, start, length) of an nn.Parameter base."""
-    base = t._base
-    if not isinstance(base, nn.Parameter) or isinstance(t, nn.Parameter):
-        return None
-    if t.dim() != base.dim() or t.dim() == 0 or tuple(t.shape[1:]) != tuple(base.shape[1:]):
-        return None
-    if t.stride() != base.stride() or base.stride(0) == 0:
-        return None
-    delta = t.storage_offset() - base.storage_offset()
-    if delta < 0 or delta % base.stride(0):
-        return None
-    start = delta // base.stride(0)
-    if start + t.shape[0] > base.shape[0]:
-        return None
-    return base, start, int(t.shape[0])
-
-
-class MoELayer(nn.Module):
+class MoELayer(TensorRefs):
     """One Mixture-of-Experts layer built from a MoEConfig and the model's own tensors.
 
     Args (E+Z: router columns, = E without LongCat zero experts):
         config: MoEConfig.
         router_weight_EH: [E+Z, H] router linear weight (any float dtype; logits in f32).
-        experts: ExpertWeights holding all E routed experts, layout and interleaving as
+        experts: ExpertWeights holding all E routed experts (layout and interleaving as
             config says: "linear" gate_up [E, 2I, H], down [E, H, I]; "matmul"
             gate_up [E, H, 2I], down [E, I, H]; biases [E, 2I] / [E, H] iff
-            config.expert_bias. The experts' dtype is the activations' dtype.
+            config.expert_bias; the experts' dtype is the activations' dtype), or an
+            ExpertSource (moeflow.types: ResidentExperts, an offload source, a rank's subset).
         router_bias_E: [E+Z] router linear bias added to the logits (gpt-oss), or None.
         selection_bias_E: [E+Z] e_score_correction_bias (selection key only); required
             iff config.router.use_bias.
@@ -135,176 +156,211 @@ class MoELayer(nn.Module):
             eps = config.router_prenorm_eps (Gemma4TextRouter).
         hash_table_VK: int [V, K] token id -> expert ids (DeepSeek-V4 hash layers); iff
             router.hash_routing (forward then needs input_ids).
+        router: a RouterWeights holding the router tensors at once (instead of the
+            router_* keyword arguments above).
         shared_expert: any module x_TH -> y_TH (e.g. the HF MLP itself), added once.
         shared_gate_weight_1H: [1, H] qwen2_moe's shared_expert_gate weight; iff
             config.shared_gated: the shared output is sigmoid(x @ w.T) * shared(x).
-        experts_impl: "auto", "reference", "grouped" or "triton" (checked now; a refused
-            choice raises ValueError with the implementation's reason).
+        dispatcher: a Dispatcher (None: local, one device).
+        experts_impl: "auto", "reference", "grouped", "triton", "triton_bi" (checked now;
+            a refused choice raises ValueError with the implementation's reason), or an
+            implementation object (tests, benchmarks).
         layer_idx: the layer's index (errors and traces name it).
 
     Attributes:
+        source, dispatcher: the stages this layer runs.
         last_routing: the latest forward's RoutingResult (None before the first).
+        last_handle: the latest dispatch handle of an expert-parallel dispatcher (None
+            for the local one, whose handle would keep the step's rows alive).
         impl_name: name of the experts implementation the latest forward ran (before
             the first forward: the one chosen for a single token on the weights' device).
+        check_routing: "eager" checks the GPU routing status after each eager step (one
+            host sync); "never" leaves it to the caller (`last_routing.check()`).
     """
 
     def __init__(
         self,
         config: MoEConfig,
         *,
-        router_weight_EH: torch.Tensor,
-        experts: ExpertWeights,
+        router_weight_EH: torch.Tensor | None = None,
+        experts: ExpertWeights | ExpertSource | None = None,
         router_bias_E: torch.Tensor | None = None,
         selection_bias_E: torch.Tensor | None = None,
         expert_scale_E: torch.Tensor | None = None,
         prenorm_weight_H: torch.Tensor | None = None,
         hash_table_VK: torch.Tensor | None = None,
+        router: RouterWeights | None = None,
         shared_expert: nn.Module | None = None,
         shared_gate_weight_1H: torch.Tensor | None = None,
-        experts_impl: str = "auto",
+        dispatcher: Dispatcher | None = None,
+        experts_impl: object = "auto",
         layer_idx: int = 0,
     ) -> None:
         super().__init__()
-        # "eager": check the GPU routing status after each eager step (one host sync);
-        # "never": leave it to the caller (decode loops that must not sync).
         self.check_routing = "eager"
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
-        if not isinstance(experts, ExpertWeights):
-            raise TypeError(f"experts: expected ExpertWeights, got {type(experts).__name__}")
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
             raise ValueError(f"layer_idx={layer_idx!r}: expected an int >= 0")
+        given = [router_weight_EH, router_bias_E, selection_bias_E, expert_scale_E, prenorm_weight_H, hash_table_VK]
+        if router is not None:
+            if not isinstance(router, RouterWeights):
+                raise TypeError(f"router: expected RouterWeights, got {type(router).__name__}")
+            if any(t is not None for t in given):
+                raise ValueError("router: given together with router_* tensors; pass one or the other")
+        else:
+            if router_weight_EH is None:
+                raise ValueError("router_weight_EH: None, expected the [E+Z, H] router weight (or router=)")
+            router = RouterWeights(weight_EH=router_weight_EH, router_bias_E=router_bias_E,
+                                   selection_bias_E=selection_bias_E, expert_scale_E=expert_scale_E,
+                                   prenorm_weight_H=prenorm_weight_H, hash_table_VK=hash_table_VK,
+                                   prenorm_eps=config.router_prenorm_eps)
         spec = config.router
-        H, S = config.hidden_size, spec.num_slots
-        experts.check_config(config)
-        if experts.num_experts != config.num_experts:
-            raise ValueError(
-                f"experts: {experts.num_experts} experts (gate_up {tuple(experts.gate_up.shape)}), expected "
-                f"config.router.num_experts={config.num_experts}"
-            )
-        _check_tensor("router_weight_EH", router_weight_EH, (S, H))
-
-        def needed(name: str, t, flag: bool, why: str) -> None:
-            if flag and t is None:
-                raise ValueError(f"{name}: None, but {why} is set")
-            if not flag and t is not None:
-                raise ValueError(f"{name}: given, but {why} is not set")
-
-        needed("selection_bias_E", selection_bias_E, spec.use_bias, "config.router.use_bias")
-        needed("expert_scale_E", expert_scale_E, spec.expert_scale, "config.router.expert_scale")
-        needed("prenorm_weight_H", prenorm_weight_H, spec.router_prenorm, "config.router.router_prenorm")
-        needed("hash_table_VK", hash_table_VK, spec.hash_routing, "config.router.hash_routing")
-        needed("shared_gate_weight_1H", shared_gate_weight_1H, config.shared_gated, "config.shared_gated")
-        for name, t in (("router_bias_E", router_bias_E), ("selection_bias_E", selection_bias_E),
-                        ("expert_scale_E", expert_scale_E)):
-            if t is not None:
-                _check_tensor(name, t, (S,))
-        if prenorm_weight_H is not None:
-            _check_tensor("prenorm_weight_H", prenorm_weight_H, (H,))
-        if hash_table_VK is not None:
-            _check_tensor("hash_table_VK", hash_table_VK, None, floating=False)
-            if hash_table_VK.dim() != 2 or hash_table_VK.shape[1] != spec.top_k:
-                raise ValueError(f"hash_table_VK: shape {tuple(hash_table_VK.shape)}, expected (V, K={spec.top_k})")
+        H = config.hidden_size
+        source = self._as_source(experts, config)
+        router.check(spec, hidden_size=H)
+        if shared_gate_weight_1H is not None and not config.shared_gated:
+            raise ValueError("shared_gate_weight_1H: given, but config.shared_gated is not set")
+        if config.shared_gated and shared_gate_weight_1H is None:
+            raise ValueError("shared_gate_weight_1H: None, but config.shared_gated is set")
         if shared_gate_weight_1H is not None:
-            _check_tensor("shared_gate_weight_1H", shared_gate_weight_1H, (1, H))
+            if not isinstance(shared_gate_weight_1H, torch.Tensor) or tuple(shared_gate_weight_1H.shape) != (1, H):
+                shape = tuple(getattr(shared_gate_weight_1H, "shape", ()))
+                raise ValueError(f"shared_gate_weight_1H: shape {shape}, expected (1, {H})")
             if shared_expert is None:
                 raise ValueError("shared_expert: None, but config.shared_gated needs the shared expert it gates")
         if shared_expert is not None and not isinstance(shared_expert, nn.Module):
             raise TypeError(f"shared_expert: expected an nn.Module, got {type(shared_expert).__name__}")
-        if not isinstance(experts_impl, str):
-            raise TypeError(f"experts_impl: expected a str, got {type(experts_impl).__name__}")
+        if dispatcher is None:
+            dispatcher = LOCAL
+        elif not isinstance(dispatcher, Dispatcher):
+            raise TypeError(f"dispatcher: expected a Dispatcher (moeflow.types), got {type(dispatcher).__name__}")
+        if not isinstance(experts_impl, str) and getattr(experts_impl, "forward_pairs", None) is None:
+            raise TypeError(f"experts_impl: expected a str or an impl with forward_pairs, got "
+                            f"{type(experts_impl).__name__}")
 
         self.config = config
         self.layer_idx = layer_idx
         self.experts_impl = experts_impl
-        self._rows: dict[str, tuple[int, int]] = {}
-        self._store("router_weight", router_weight_EH)
-        for name, t in (
-            ("router_bias", router_bias_E),
-            ("selection_bias", selection_bias_E),
-            ("expert_scale", expert_scale_E),
-            ("prenorm_weight", prenorm_weight_H),
-            ("hash_table", hash_table_VK),
-            ("gate_up", experts.gate_up),
-            ("down", experts.down),
-            ("gate_up_bias", experts.gate_up_bias),
-            ("down_bias", experts.down_bias),
-            ("shared_gate_weight", shared_gate_weight_1H),
-        ):
-            self._store(name, t)
-        self._layout = experts.layout
-        self._interleaved = experts.interleaved
+        for name, fld in _ROUTER_FIELDS.items():
+            self.set_ref(name, getattr(router, fld))
+        self.set_ref("shared_gate_weight", shared_gate_weight_1H)
+        self.set_source(source)
         self.shared_expert = shared_expert
+        self.dispatcher = dispatcher
         self.last_routing: RoutingResult | None = None
+        self.last_handle = None
         # Validates a named choice now (ValueError with the impl's reason) rather than at
         # the first forward.
-        self.impl_name: str = select_experts_impl(config, experts.device, 1, experts_impl).name
+        device = getattr(source, "device", None) or torch.device("cpu")
+        if isinstance(experts_impl, str):
+            self.impl_name: str = select_experts_impl(config, device, 1, experts_impl,
+                                                      quant=getattr(source, "quant", None)).name
+        else:
+            self.impl_name = str(getattr(experts_impl, "name", type(experts_impl).__name__))
 
-    # -- tensor storage ---------------------------------------------------------------
+    @staticmethod
+    def _as_source(experts, config: MoEConfig):
+        if isinstance(experts, ExpertWeights):
+            experts.check_config(config)
+            if experts.num_experts != config.num_experts:
+                raise ValueError(
+                    f"experts: {experts.num_experts} experts (gate_up {tuple(experts.gate_up.shape)}), expected "
+                    f"config.router.num_experts={config.num_experts}"
+                )
+            return ResidentExperts(experts)
+        if experts is None or not isinstance(experts, ExpertSource):
+            raise TypeError(f"experts: expected ExpertWeights or an ExpertSource, got {type(experts).__name__}")
+        w = getattr(experts, "weights", None)
+        if isinstance(w, ExpertWeights):
+            w.check_config(config)
+        return experts
 
-    def _store(self, name: str, t: torch.Tensor | None) -> None:
-        if t is None:
-            setattr(self, name, None)
-            return
-        if isinstance(t, nn.Parameter):
-            self.register_parameter(name, t)
-            return
-        rows = _param_rows(t)
-        if rows is not None:
-            base, start, length = rows
-            self.register_parameter(f"{name}_full", base)
-            self._rows[name] = (start, length)
-            return
-        self.register_buffer(name, t, persistent=True)
+    # -- the stages' tensors ------------------------------------------------------------
 
-    def _tensor(self, name: str) -> torch.Tensor | None:
-        rows = self._rows.get(name)
-        if rows is not None:
-            return getattr(self, f"{name}_full").narrow(0, rows[0], rows[1])
-        return getattr(self, name)
+    @property
+    def router_weights(self) -> RouterWeights:
+        """The router tensors as they are now (rebuilt per call: `.to()` and re-bound tensors are seen)."""
+        return RouterWeights(**{fld: self.ref(name) for name, fld in _ROUTER_FIELDS.items()},
+                             prenorm_eps=self.config.router_prenorm_eps)
+
+    @property
+    def shared_gate_weight_1H(self) -> torch.Tensor | None:
+        return self.ref("shared_gate_weight")
 
     @property
     def expert_weights(self) -> ExpertWeights:
-        """The experts' tensors as they are now (rebuilt per call, so `.to()` and reassigned
-        Parameters are always seen)."""
-        return ExpertWeights(
-            *(self._tensor(n) for n in _EXPERT_TENSORS), layout=self._layout, interleaved=self._interleaved
+        """The resident experts' tensors (ValueError when the source holds none, e.g. offloaded)."""
+        w = getattr(self.source, "weights", None)
+        if not isinstance(w, ExpertWeights):
+            raise ValueError(f"layer {self.layer_idx}: its expert source {type(self.source).__name__} holds no "
+                             f"resident ExpertWeights")
+        return w
+
+    @property
+    def experts_dtype(self) -> torch.dtype | None:
+        return getattr(self.source, "dtype", None)
+
+    def rebind(self, **tensors: torch.Tensor | None) -> None:
+        """Point named tensors at new ones (the HF adapter after `.to()` replaced a buffer).
+
+        Names: router_weight, router_bias, selection_bias, expert_scale, prenorm_weight,
+        hash_table, shared_gate_weight, and the expert tensors (gate_up, down, gate_up_bias,
+        down_bias), which go to a resident source that serves all E experts (a rank's subset
+        or an offload cache keeps its own tensors). None leaves a name as it is.
+        """
+        experts = {}
+        for name, t in tensors.items():
+            if t is None:
+                continue
+            if name in _ROUTER_FIELDS or name == "shared_gate_weight":
+                self.set_ref(name, t)
+            elif name in _EXPERT_TENSORS:
+                experts[name] = t
+            else:
+                raise ValueError(f"rebind: unknown tensor {name!r}")
+        rebind = getattr(self.source, "rebind", None)
+        if experts and rebind is not None and getattr(self.source, "num_experts", None) == self.config.num_experts:
+            rebind(**experts)
+
+    def set_source(self, source: ExpertSource) -> None:
+        """Serve the experts from `source` (offload attaches its slot cache this way)."""
+        source = self._as_source(source, self.config)
+        self._modules.pop("source", None)  # a plain-object source may replace a module one
+        self.__dict__.pop("source", None)
+        self.source = source
+
+    def replace(self, *, source: ExpertSource | ExpertWeights | None = None, dispatcher: Dispatcher | None = None,
+                experts_impl: object = None) -> MoELayer:
+        """A new layer sharing this one's config, router tensors and shared expert, with other stages.
+
+        What expert parallelism uses: `shard_layer` gives the sharded layer an all_to_all /
+        all_reduce dispatcher and a source holding the rank's experts.
+        """
+        return type(self)(
+            self.config,
+            router=self.router_weights,
+            experts=source if source is not None else self.source,
+            shared_expert=self.shared_expert,
+            shared_gate_weight_1H=self.shared_gate_weight_1H,
+            dispatcher=dispatcher if dispatcher is not None else self.dispatcher,
+            experts_impl=experts_impl if experts_impl is not None else self.experts_impl,
+            layer_idx=self.layer_idx,
         )
 
     # -- pipeline ---------------------------------------------------------------------
 
     def router_input(self, x_TH: torch.Tensor) -> torch.Tensor:
         """What the router linear sees: x, or gemma4's rmsnorm(x) * scale * H**-0.5."""
-        if not self.config.router.router_prenorm:
-            return x_TH
-        # Gemma4TextRouter: Gemma4RMSNorm(with_scale=False) in f32, cast back, then scale.
-        xf = x_TH.float()
-        ms = xf.pow(2).mean(-1, keepdim=True) + self.config.router_prenorm_eps
-        normed = (xf * torch.pow(ms, -0.5)).type_as(x_TH)
-        return normed * self._tensor("prenorm_weight") * (self.config.hidden_size**-0.5)
+        return _router_input(self.router_weights, x_TH)
 
     def route(self, x_TH: torch.Tensor, input_ids: torch.Tensor | None = None) -> RoutingResult:
         """Router logits (f32, + router bias) and the family's selection for x_TH [T, H].
 
         input_ids: int, T ids in any shape; needed by hash layers, ignored otherwise.
         """
-        # Detached: routing is an inference-time selection here, and the batch-invariant
-        # logits kernel writes through `out=`, which autograd refuses on tensors that
-        # require grad (HF Parameters do by default).
-        logits = router_logits(self.router_input(x_TH).detach(), self._tensor("router_weight").detach())
-        bias = self._tensor("router_bias")
-        if bias is not None:
-            logits = logits + bias.detach().to(torch.float32)
-        spec = self.config.router
-        result = route(
-            logits,
-            spec,
-            bias=self._tensor("selection_bias"),
-            expert_scale=self._tensor("expert_scale"),
-            input_ids=input_ids if spec.hash_routing else None,
-            hash_table=self._tensor("hash_table"),
-            layer=self.layer_idx,
-        )
+        result = run_router(self.router_weights, self.config.router, x_TH, input_ids=input_ids,
+                            layer=self.layer_idx)
         # The GPU selection reports NaN logits / bad hash ids through a device status,
         # not a sync. Eager steps check it here (one sync, so a NaN is never a silent
         # pick); under CUDA-graph capture, or with check_routing="never", the caller
@@ -315,11 +371,29 @@ class MoELayer(nn.Module):
         return result
 
     def experts_forward(self, x_TH: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
-        """The routed output [T, H] for a given routing (no shared expert); see `run_experts`."""
-        w = self.expert_weights
-        impl = select_experts_impl(self.config, x_TH.device, int(x_TH.shape[0]), self.experts_impl)
-        self.impl_name = impl.name
-        return run_experts(x_TH, routing, w, self.config, impl)
+        """The routed output [T, H] for a given routing (no shared expert): dispatch -> experts -> combine."""
+        keep = None if self.dispatcher is LOCAL else self._keep_handle
+        source = self.source
+        out_TH, impl = routed_forward(
+            x_TH, routing, self.config, dispatcher=self.dispatcher,
+            run=lambda im, batch: source.run(im, batch, self.config, step_input=x_TH),
+            requested=self.experts_impl, on_handle=keep, quant=getattr(source, "quant", None),
+        )
+        self.impl_name = str(getattr(impl, "name", type(impl).__name__))
+        return out_TH
+
+    def _keep_handle(self, handle) -> None:
+        self.last_handle = handle
+
+    def shared_forward(self, x_TH: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert's output [T, H] (qwen2_moe: gated), or None without one."""
+        if self.shared_expert is None:
+            return None
+        shared_TH = self.shared_expert(x_TH)
+        gate_w = self.ref("shared_gate_weight")
+        if gate_w is not None:
+            shared_TH = torch.sigmoid(F.linear(x_TH, gate_w)) * shared_TH
+        return shared_TH
 
     def forward(
         self,
@@ -331,7 +405,9 @@ class MoELayer(nn.Module):
         """The layer's output, same shape and dtype as x.
 
         Args:
-            x: [B, S, H] or [T, H], the experts' dtype and device.
+            x: [B, S, H] or [T, H], the experts' dtype and device. Under expert
+                parallelism: this rank's tokens (all_to_all: T may differ per rank, even 0;
+                all_reduce: the same tokens on every rank); collective.
             input_ids: token ids (T of them, any shape), for hash-routed layers.
             router_input: optional [..., H] tensor (T rows) the router sees instead of x;
                 gemma4 routes on the residual stream while its experts see a
@@ -342,8 +418,8 @@ class MoELayer(nn.Module):
             raise TypeError(f"x: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() not in (2, 3) or x.shape[-1] != H:
             raise ValueError(f"x: shape {tuple(x.shape)}, expected [B, S, {H}] or [T, {H}] (hidden_size={H})")
-        w_dtype = self._tensor("gate_up").dtype
-        if x.dtype != w_dtype:
+        w_dtype = self.experts_dtype
+        if w_dtype is not None and x.dtype != w_dtype:
             raise TypeError(f"x: dtype {x.dtype}, expected the experts' dtype {w_dtype}")
         x_TH = x.reshape(-1, H)
         T = x_TH.shape[0]
@@ -360,17 +436,26 @@ class MoELayer(nn.Module):
         routing = self.route(r_TH, input_ids=input_ids)
         self.last_routing = routing
         out_TH = self.experts_forward(x_TH, routing)
-        if self.shared_expert is not None:
-            shared_TH = self.shared_expert(x_TH)
-            gate_w = self._tensor("shared_gate_weight")
-            if gate_w is not None:
-                shared_TH = torch.sigmoid(F.linear(x_TH, gate_w)) * shared_TH
+        shared_TH = self.shared_forward(x_TH)
+        if shared_TH is not None:
             out_TH = out_TH + shared_TH
         return out_TH.view(x.shape)
+
+    def token_stats(self) -> dict[str, int]:
+        """Pair counts of the latest forward of an expert-parallel layer (see the dispatcher)."""
+        if self.last_handle is None:
+            raise ValueError("token_stats: no expert-parallel forward has run yet")
+        return self.dispatcher.token_stats(self.last_handle)
+
+    def _apply(self, fn, *args, **kwargs):
+        # A layer loaded with local experts only may keep meta placeholders; .to()/.cuda()
+        # must leave those alone (they cannot be copied).
+        return super()._apply(lambda t: t if t.is_meta else fn(t), *args, **kwargs)
 
     def extra_repr(self) -> str:
         c = self.config
         return (
             f"layer={self.layer_idx}, E={c.num_experts}, K={c.top_k}, H={c.hidden_size}, I={c.intermediate_size}, "
-            f"activation={c.activation!r}, layout={c.layout!r}, impl={self.impl_name!r}"
+            f"activation={c.activation!r}, layout={c.layout!r}, impl={self.impl_name!r}, "
+            f"dispatcher={self.dispatcher.name!r}"
         )

@@ -202,7 +202,7 @@ def _exactly_once(soft, counter, ep, p, rank, offs, routing_all, E, K):
     """Count the pairs each rank's experts computed (decoded from the payload) and all-reduce."""
     counts = soft.check(_count_computed, counter.calls, getattr(ep.last_handle, "recv_valid_N", None),
                         torch.tensor(p.experts_of(rank), dtype=torch.long), offs, routing_all.ids_TK, K,
-                        ep.expert_shift)
+                        ep.source.expert_shift)
     if counts is None:  # still join the collective
         counts = torch.full(routing_all.ids_TK.shape, -(10**6), dtype=torch.int64)
     _all_reduce(counts)
@@ -381,7 +381,7 @@ def _case_world_of_one(rank, W):
             for mode in ("all_to_all", "all_reduce"):
                 ep = shard_layer(layer, group=groups[rank], mode=mode, static_tokens=static,
                                  timeout_s=CASE_TIMEOUT_S, experts_impl="reference")
-                assert ep.world_size == 1 and len(ep.local_ids) == 8
+                assert ep.dispatcher.world_size == 1 and len(ep.dispatcher.local_ids) == 8
                 out = ep(x)
                 if mode == "all_to_all":
                     assert_bitwise_equal(out, ref, what=f"W=1 {mode} static={static}")
@@ -417,7 +417,7 @@ def _whole_model(rank, W, family, mode):
         want = _generate(model, ids)
         want_logits = model(ids).logits
     report = moeflow.patch_model(model, experts="reference", ep_group=dist.group.WORLD, ep_mode=mode)
-    assert report.ep_mode == mode and all(b.runner == "EPMoELayer" for b in report.blocks), report
+    assert report.ep_mode == mode and all(b.dispatcher == mode for b in report.blocks), report
     with torch.no_grad():
         got = _generate(model, ids)
         got_logits = model(ids).logits
@@ -425,6 +425,132 @@ def _whole_model(rank, W, family, mode):
                  what=f"{family} {mode} logits")
     assert torch.equal(got, want), f"{family} {mode}: generated {got.tolist()} != unsharded {want.tolist()}"
     mhf.unpatch_model(model)
+
+
+def _whole_model_offload(rank, W, family, mode, policy):
+    """EP and offload together through patch_model: each rank caches only its local experts."""
+    import moeflow
+    from moeflow import hf as mhf
+    from moeflow.offload.config import OffloadConfig
+
+    _hf_quiet()
+    from hf_configs import tiny_model
+
+    model = tiny_model(family, seed=4)
+    r = rank if mode == "all_to_all" else 0
+    ids = torch.randint(3, 97, (2, 4 + r), generator=torch.Generator().manual_seed(30 + r))
+    with torch.no_grad():
+        want = _generate(model, ids)
+        want_logits = model(ids).logits
+    off = OffloadConfig(gpu_slots=2, policy=policy, prefetch_width=2, device="cpu")
+    report = moeflow.patch_model(model, experts="reference", ep_group=dist.group.WORLD, ep_mode=mode, offload=off,
+                                 ep_options={"timeout_s": CASE_TIMEOUT_S})
+    assert report.offload and all(b.dispatcher == mode for b in report.blocks), report
+    layers = mhf.moe_layers(model)
+    rt = layers[0].offload
+    assert rt is not None and rt.store.num_experts == [len(m.dispatcher.local_ids) for m in layers], \
+        "the rank's cache must hold only its local experts"
+    with torch.no_grad():
+        got = _generate(model, ids)
+        got_logits = model(ids).logits
+    assert_close(got_logits, want_logits, rtol=1e-5, atol=1e-5 * float(want_logits.abs().max()),
+                 what=f"{family} {mode} {policy} EP+offload logits")
+    assert torch.equal(got, want), f"{family} {mode} {policy}: EP+offload generated {got.tolist()} != {want.tolist()}"
+    s = rt.stats()
+    rt.cache.table.check_invariants()
+    # A rank may own no expert its group-limited routing picks; across ranks the caches served.
+    served = torch.tensor([s.hits + s.misses], dtype=torch.int64)
+    _all_reduce(served)
+    assert int(served) > 0, "no rank's cache served a lookup"
+
+
+def _layer_chain_offload(rank, W, policy, Ts):
+    """Three sharded + offloaded layers (reference experts, all_to_all) run a residual chain over
+    several steps: each rank's output is BIT-identical to the single-process resident layers."""
+    from moeflow.offload.attach import attach_offload
+    from moeflow.offload.config import OffloadConfig
+
+    E = 16
+    ref_layers = [_build(E=E, K=2, shared="rowwise", seed=40 + i) for i in range(3)]
+    for i, m in enumerate(ref_layers):
+        m.layer_idx = i
+    sharded = [shard_layer(m, group=dist.group.WORLD, mode="all_to_all", timeout_s=CASE_TIMEOUT_S)
+               for m in ref_layers]
+    rt = attach_offload(sharded, OffloadConfig(gpu_slots=2, policy=policy, prefetch_width=2, device="cpu"),
+                        release=False, progress=False)
+    assert rt.store.num_experts == [E // W] * 3
+    H = ref_layers[0].config.hidden_size
+    offs = [sum(Ts[:r]) for r in range(W)]
+    with torch.no_grad():
+        for step in range(4):
+            xs = [_tokens(50 + step, r, Ts[r], H) for r in range(W)]
+            x_all = torch.cat(xs)
+            x_me = xs[rank]
+            for ref, ep in zip(ref_layers, sharded):
+                x_all = x_all + ref(x_all)
+                x_me = x_me + ep(x_me)
+            assert_bitwise_equal(x_me, x_all[offs[rank]: offs[rank] + Ts[rank]],
+                                 what=f"rank {rank} step {step} {policy} EP+offload chain")
+    s = rt.stats()
+    rt.cache.table.check_invariants()
+    assert s.misses > 0, "2 slots for 16/W local experts: the cache must miss"
+
+
+def _case_ep_offload(rank, W):
+    _layer_chain_offload(rank, W, "lru", [5, 2, 7, 1][:W])
+    _layer_chain_offload(rank, W, "predictive", [3, 6, 0, 4][:W])
+    _whole_model_offload(rank, W, "mixtral", "all_to_all", "predictive")
+    _whole_model_offload(rank, W, "deepseek_v3", "all_to_all", "lru")
+    _whole_model_offload(rank, W, "deepseek_v3", "all_reduce", "predictive")
+
+
+def _case_all_reduce_misuse(rank, W):
+    """all_reduce needs the same tokens on every rank: a named error on every rank, never a wrong sum
+    or a backend abort."""
+    from moeflow.parallel.dist_utils import EPInputMismatch
+
+    layer = _build(seed=16)
+    ep = shard_layer(layer, group=dist.group.WORLD, mode="all_reduce", timeout_s=CASE_TIMEOUT_S)
+    H = layer.config.hidden_size
+    with torch.no_grad():
+        same = _tokens(16, 0, 4, H)
+        ep(same)  # the same tokens: fine
+        with pytest.raises(EPInputMismatch, match="same T but different tokens"):
+            ep(_tokens(16, rank, 4, H))  # same T, different tokens
+        with pytest.raises(EPInputMismatch, match=r"T per rank = \["):
+            ep(_tokens(16, 0, 3 + rank, H))  # different T
+        out = ep(same)  # the group is still in step after a refused call
+    with torch.no_grad():
+        assert_close(out, layer(same), **TOL, what="all_reduce after refused calls")
+
+
+def _case_load_ds_v4(rank, W, ckpt_dir):
+    """DeepSeek-V4 EP layer from a checkpoint keeps the shared expert's SwiGLU clamp."""
+    import moeflow
+    from moeflow import hf as mhf
+    from moeflow.parallel.ep import load_ep_layer
+
+    _hf_quiet()
+    from hf_configs import tiny_model
+
+    model = tiny_model("deepseek_v4", seed=6)
+    sub = os.path.join(ckpt_dir, "dsv4")
+    if rank == 0:
+        model.save_pretrained(sub)
+    _all_reduce(torch.zeros(1))
+    moeflow.patch_model(model, experts="reference")
+    layer = mhf.moe_layers(model)[1]  # layer 1: learned routing (layer 0 is hash-routed)
+    placement = None if W == 2 else [(0, 2), (2, 3), (3, 5), (5, 6)]
+    ep = load_ep_layer(sub, "deepseek_v4", 1, config=layer.config, group=dist.group.WORLD, placement=placement,
+                       experts_impl="reference", timeout_s=CASE_TIMEOUT_S)
+    assert ep.shared_expert.swiglu_limit == layer.config.swiglu_limit, "the shared expert lost its clamp"
+    Ts = [4, 2, 5, 3][:W]
+    H = layer.config.hidden_size
+    xs = [_tokens(6, r, Ts[r], H) * 8.0 for r in range(W)]  # large inputs: the clamp is active
+    with torch.no_grad():
+        ref = layer(torch.cat(xs))[sum(Ts[:rank]): sum(Ts[: rank + 1])]
+        out = ep(xs[rank])
+    assert_close(out, ref, **TOL, what="DS-V4 load_ep_layer output vs single process")
 
 
 def _case_whole_model(rank, W):
@@ -452,9 +578,10 @@ def _case_load_local(rank, W, ckpt_dir):
     layer = mhf.moe_layers(model)[0]  # deepseek_v3 tiny: layer 1 is the MoE one
     ep = load_ep_layer(ckpt_dir, "deepseek_v3", layer.layer_idx, config=layer.config, group=dist.group.WORLD,
                        experts_impl="reference", timeout_s=CASE_TIMEOUT_S)
-    L = len(ep.local_ids)
-    assert ep.local_gate_up.shape[0] == L == 8 // W, "more than the local experts were loaded"
-    assert ep.base.expert_weights.gate_up.is_meta, "full expert tensors were materialised"
+    L = len(ep.dispatcher.local_ids)
+    assert ep.source.weights.gate_up.shape[0] == L == 8 // W, "more than the local experts were loaded"
+    held = [t for t in [*ep.parameters(), *ep.buffers()] if t.dim() == 3]
+    assert held and all(t.shape[0] == L for t in held), "full expert tensors were materialised"
     Ts = [3, 6, 1, 4][:W]
     xs = [_tokens(5, r, Ts[r], layer.config.hidden_size) for r in range(W)]
     with torch.no_grad():
@@ -483,32 +610,66 @@ CASES = [
     ("bad_placement", _case_bad_placement),
     ("world_of_one_subgroup", _case_world_of_one),
     ("whole_model_generate", _case_whole_model),
+    ("ep_with_offload", _case_ep_offload),
+    ("all_reduce_misuse_named_error", _case_all_reduce_misuse),
     ("load_local_experts", None),  # needs the checkpoint directory: see _worker
+    ("load_deepseek_v4_clamp", None),
 ]
 
 
 def _timeout_case(rank, done) -> str:
-    """Rank 1 never enters the layer's collectives; rank 0 must fail within the timeout."""
+    """Rank 1 stalls; rank 0 must fail within the timeout, naming the collective, and then refuse
+    every later call (EPGroupBroken) instead of pairing with a stale collective. When rank 1
+    resumes, it too gets a named error within its timeout and then EPGroupBroken: no abort."""
+    from moeflow.parallel.dist_utils import EPGroupBroken
+
     layer = _build(seed=13)
     ep = shard_layer(layer, group=dist.group.WORLD, mode="all_to_all", timeout_s=TIMEOUT_S)
+    x = _tokens(13, rank, 3, 24)
     if rank == 1:
-        done.wait(60)
-        return "ok"
+        done.wait(60)  # rank 0 has timed out and been refused
+        t0 = time.monotonic()
+        try:
+            with torch.no_grad():
+                ep(x)
+        except EPCollectiveError as exc:
+            if time.monotonic() - t0 > TIMEOUT_S + 6:
+                return f"resumed rank: error after {time.monotonic() - t0:.1f}s"
+            if isinstance(exc, EPGroupBroken):
+                return f"resumed rank: refused before any collective failed here: {exc}"
+        else:
+            return "resumed rank: no error although rank 0 left the group"
+        try:
+            with torch.no_grad():
+                ep(x)
+        except EPGroupBroken:
+            return "ok"
+        return "resumed rank: a second call after a failed collective was not refused"
     t0 = time.monotonic()
     try:
-        with torch.no_grad():
-            ep(_tokens(13, 0, 3, 24))
-    except EPCollectiveError as exc:
-        dt = time.monotonic() - t0
-        msg = str(exc)
-        if "all_to_all_single(counts)" not in msg or "timeout 4s" not in msg:
-            return f"error does not name the collective/timeout: {msg}"
-        if not TIMEOUT_S - 0.5 <= dt <= TIMEOUT_S + 6:
-            return f"timed out after {dt:.1f}s, expected ~{TIMEOUT_S}s"
-        return "ok"
+        try:
+            with torch.no_grad():
+                ep(x)
+        except EPCollectiveError as exc:
+            dt = time.monotonic() - t0
+            msg = str(exc)
+            if "all_to_all_single(counts)" not in msg or "timeout 4s" not in msg:
+                return f"error does not name the collective/timeout: {msg}"
+            if not TIMEOUT_S - 0.5 <= dt <= TIMEOUT_S + 6:
+                return f"timed out after {dt:.1f}s, expected ~{TIMEOUT_S}s"
+        else:
+            return "no error raised although rank 1 never joined"
+        t1 = time.monotonic()
+        try:
+            with torch.no_grad():
+                ep(x)
+        except EPGroupBroken as exc:
+            if time.monotonic() - t1 > 1.0 or "failed earlier" not in str(exc):
+                return f"the refusal was slow or unnamed: {exc}"
+            return "ok"
+        return "a call after the timeout was not refused"
     finally:
         done.set()
-    return "no error raised although rank 1 never joined"
 
 
 def _worker(rank, W, port, q, done, names, ckpt_dir):
@@ -521,8 +682,10 @@ def _worker(rank, W, port, q, done, names, ckpt_dir):
             if names is not None and name not in names:
                 continue
             try:
-                if fn is None:
+                if name == "load_local_experts":
                     _case_load_local(rank, W, ckpt_dir)
+                elif name == "load_deepseek_v4_clamp":
+                    _case_load_ds_v4(rank, W, ckpt_dir)
                 else:
                     fn(rank, W)
                 results[name] = "ok"

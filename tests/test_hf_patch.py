@@ -54,9 +54,9 @@ def _check_logits(got: torch.Tensor, want: torch.Tensor, what: str) -> None:
 
 def _expert_param(module: nn.Module) -> nn.Parameter:
     """The HF gate_up Parameter behind a patched module."""
-    if isinstance(module, mhf._Gemma4Experts):  # gemma4: the experts module itself
+    if isinstance(module, mhf.blocks._Gemma4Experts):  # gemma4: the experts module itself
         return module.gate_up_proj
-    return mhf._attr(module, module.__dict__["_moeflow"].fam.experts).gate_up_proj
+    return mhf.util.attr_path(module, module.__dict__["_moeflow"].fam.hf.experts).gate_up_proj
 
 
 def _assert_shares_weights(model) -> int:
@@ -68,14 +68,14 @@ def _assert_shares_weights(model) -> int:
         state = module.__dict__["_moeflow"]
         layer = module.moe_layer
         block_gate_up = _expert_param(module)
-        mine = layer._parameters.get("gate_up_full", layer._parameters.get("gate_up"))
+        mine = layer.source._parameters.get("gate_up_full", layer.source._parameters.get("gate_up"))
         assert mine is block_gate_up, f"{path}: MoELayer gate_up is not the block's Parameter"
         assert layer.expert_weights.gate_up.data_ptr() == block_gate_up.data_ptr(), path
         src = state.sources()
-        assert layer._tensor("router_weight").data_ptr() == src["router_weight"].data_ptr(), path
-        assert layer._tensor("down").data_ptr() == src["down"].data_ptr(), path
+        assert layer.router_weights.weight_EH.data_ptr() == src["router_weight"].data_ptr(), path
+        assert layer.expert_weights.down.data_ptr() == src["down"].data_ptr(), path
         if src["selection_bias"] is not None:
-            assert layer._tensor("selection_bias") is src["selection_bias"], path
+            assert layer.router_weights.selection_bias_E is src["selection_bias"], path
         n += 1
     return n
 
@@ -178,11 +178,11 @@ def test_module_apply_keeps_buffers_shared():
     old_bias = block.gate.e_score_correction_bias
     model._apply(lambda t: t.clone())  # what .to(other device) does: every buffer is a new tensor
     assert block.gate.e_score_correction_bias is not old_bias
-    assert block.moe_layer._tensor("selection_bias") is block.gate.e_score_correction_bias
+    assert block.moe_layer.router_weights.selection_bias_E is block.gate.e_score_correction_bias
     with torch.no_grad():
         _check_logits(model(ids).logits, want, "deepseek_v3 after _apply(clone)")
     model.to(torch.bfloat16)
-    assert block.moe_layer._tensor("selection_bias") is block.gate.e_score_correction_bias
+    assert block.moe_layer.router_weights.selection_bias_E is block.gate.e_score_correction_bias
     assert block.moe_layer.expert_weights.gate_up.dtype == torch.bfloat16
     with torch.no_grad():
         assert model(ids).logits.dtype == torch.bfloat16
@@ -227,8 +227,10 @@ def test_refusals_are_named():
     model = tiny_model("mixtral")
     with pytest.raises(ValueError, match="ep_mode='ring'"):
         moeflow.patch_model(model, ep_mode="ring")
-    with pytest.raises(ValueError, match="ep_group and offload together"):
-        moeflow.patch_model(model, ep_group=object(), offload=object())
+    with pytest.raises(TypeError, match="ep_group: expected a torch.distributed ProcessGroup"):
+        moeflow.patch_model(model, ep_group=object())
+    with pytest.raises(TypeError, match="offload: expected an OffloadConfig"):
+        moeflow.patch_model(model, offload=object())
     with pytest.raises(ValueError, match="bogus"):
         moeflow.patch_model(model, experts="bogus")
     assert not any(isinstance(m, mhf.MoEBlock) for m in model.modules())  # untouched after each refusal
@@ -267,7 +269,7 @@ def test_ep_hook_single_rank_group(tmp_path):
             want = model(ids).logits
             report = moeflow.patch_model(model, experts="reference", ep_group=dist.group.WORLD)
             got = model(ids).logits
-        assert report.ep_mode == "all_to_all" and {b.runner for b in report} == {"EPMoELayer"}
+        assert report.ep_mode == "all_to_all" and {b.dispatcher for b in report} == {"all_to_all"}
         _check_logits(got, want, "qwen2_moe EP world_size=1")
     finally:
         dist.destroy_process_group()
@@ -280,8 +282,8 @@ def test_experts_implementation_moeflow(family, tiny_checkpoint, monkeypatch):
 
     path = tiny_checkpoint(family, original_format=True)
     calls = []
-    real = mhf.run_experts
-    monkeypatch.setattr(mhf, "run_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
+    real = mhf.interface.run_experts
+    monkeypatch.setattr(mhf.interface, "run_experts", lambda *a, **k: calls.append(1) or real(*a, **k))
     eager = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", experts_implementation="eager")
     mine = AutoModelForCausalLM.from_pretrained(path, attn_implementation="eager", experts_implementation="moeflow")
     assert mine.config._experts_implementation == "moeflow"

@@ -76,7 +76,7 @@ def test_mixtral_block():
 
     layer = both_impls(build, want, x)
     # Stored by reference: the HF Parameters themselves.
-    assert layer.gate_up is block.experts.gate_up_proj and layer.router_weight is block.gate.weight
+    assert layer.source.gate_up is block.experts.gate_up_proj and layer.router_weight is block.gate.weight
     assert layer.last_routing.ids_TK.shape == (1, 2)  # the last call was the single token
 
 
@@ -183,7 +183,7 @@ def test_longcat_zero_experts_block():
     ids = layer.last_routing.ids_TK
     assert (ids >= E).any() and (ids < E).any(), "test must route to both zero and routed experts"
     # The view is kept as the whole HF Parameter plus a row range: no copy, survives .to().
-    assert layer.gate_up_full is block.experts.gate_up_proj
+    assert layer.source.gate_up_full is block.experts.gate_up_proj
     layer.to(torch.bfloat16)  # (the CPU stand-in for a device move)
     assert block.experts.gate_up_proj.dtype == torch.bfloat16  # converted in place, still shared
     w = layer.expert_weights
@@ -512,13 +512,13 @@ def test_forward_tokens_used_without_zero_experts():
 
 def test_to_dtype_keeps_shared_parameters():
     layer = synth_layer(E=4, K=2)
-    gu = nn.Parameter(layer.gate_up.detach().clone())
-    dn = nn.Parameter(layer.down.detach().clone())
+    gu = nn.Parameter(layer.expert_weights.gate_up.detach().clone())
+    dn = nn.Parameter(layer.expert_weights.down.detach().clone())
     rw = nn.Parameter(layer.router_weight.detach().clone())
     m = MoELayer(layer.config, router_weight_EH=rw, experts=ExpertWeights(gu, dn))
     assert {id(p) for p in m.parameters()} == {id(gu), id(dn), id(rw)}
     m.to(torch.bfloat16)  # (the CPU stand-in for a device move)
-    assert m.gate_up is gu and gu.dtype == torch.bfloat16 and m.expert_weights.dtype == torch.bfloat16
+    assert m.source.gate_up is gu and m.expert_weights.gate_up is gu and gu.dtype == torch.bfloat16 and m.expert_weights.dtype == torch.bfloat16
     x = torch.randn(6, 16)
     got = check_oracle(m, x.bfloat16(), "after .to(bfloat16)", **BF16_TOL)
     assert got.dtype == torch.bfloat16

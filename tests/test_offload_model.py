@@ -112,6 +112,7 @@ def test_offloaded_output_is_bitwise_resident(family, policy, prefetch):
     off = copy.deepcopy(ref)
     K = ref[0].config.top_k
     slots = max(K, 4)  # 4 of the 32 experts: constant eviction
+    gate_up0 = off[0].expert_weights.gate_up  # the tensor the layer held before offloading
     rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=prefetch,
                                                  device="cpu", oldest_fraction=0.5), progress=False)
     seq, prefill = _inputs(1)
@@ -131,14 +132,15 @@ def test_offloaded_output_is_bitwise_resident(family, policy, prefetch):
     else:
         assert s.prefetch_issued == 0
     assert s.bytes_copied == (s.misses + s.prefetch_issued) * rt.store.expert_bytes
-    assert off[0].gate_up.numel() == 0, "the layer's expert storage was released to the store"
+    assert gate_up0.numel() == 0, "the layer's expert storage was released to the store"
 
 
 def test_large_cache_hits_after_warmup_and_releases_nothing_with_release_false():
     ref = _model("mixtral", seed=3)
     off = copy.deepcopy(ref)
+    gate_up0 = off[0].expert_weights.gate_up
     rt = attach_offload(list(off), OffloadConfig(gpu_slots=L * E, device="cpu"), release=False, progress=False)
-    assert off[0].gate_up.numel() == E * 2 * I * H
+    assert gate_up0.numel() == E * 2 * I * H
     seq, _ = _inputs(2, n_decode=30)
     for x in seq:
         assert_bitwise_equal(_run(off, x), _run(ref, x))
@@ -153,7 +155,7 @@ def test_prefetch_hits_a_predictable_next_layer():
     layers = _model("mixtral", seed=5)
     for m in layers:
         m.router_weight.copy_(layers[0].router_weight)
-        m.down.mul_(1e-3)
+        m.expert_weights.down.mul_(1e-3)
     ref = copy.deepcopy(layers)
     rt = attach_offload(list(layers), OffloadConfig(gpu_slots=4, policy="predictive", prefetch_width=2,
                                                     device="cpu"), progress=False)

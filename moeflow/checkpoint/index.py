@@ -50,6 +50,14 @@ class TensorInfo:
     file: str
 
 
+def _unreadable(file: str, exc: BaseException, *, key: str | None = None) -> CheckpointError:
+    """The CheckpointError for a shard safetensors cannot parse or read (truncated, corrupt header)."""
+    what = f"{key}: " if key is not None else ""
+    return CheckpointError(
+        f"{what}{file}: not a readable safetensors file ({type(exc).__name__}: {exc}); "
+        f"it may be truncated or corrupt: download or save it again", key=key)
+
+
 def torch_dtype_of(st_dtype: str, *, key: str) -> torch.dtype:
     if st_dtype not in _ST_DTYPES:
         raise CheckpointError(f"{key}: safetensors dtype {st_dtype!r} is not supported by this torch", key=key)
@@ -106,8 +114,11 @@ class CheckpointIndex:
     @staticmethod
     def _read_index(index_path: str) -> dict[str, str]:
         with open(index_path) as fh:
-            data = json.load(fh)
-        weight_map = data.get("weight_map")
+            try:
+                data = json.load(fh)
+            except json.JSONDecodeError as exc:
+                raise CheckpointError(f"{index_path}: not valid JSON ({exc}); expected a safetensors index") from exc
+        weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no 'weight_map' (expected a key -> shard file mapping)")
         return dict(weight_map)
@@ -119,7 +130,10 @@ class CheckpointIndex:
                 raise CheckpointError(f"CheckpointIndex: shard {file!r} named by the index does not exist")
             from safetensors import safe_open
 
-            handle = safe_open(file, framework="pt", device="cpu")
+            try:
+                handle = safe_open(file, framework="pt", device="cpu")
+            except Exception as exc:  # safetensors' SafetensorError (a Rust error), or OSError
+                raise _unreadable(file, exc) from exc
             self._handles[file] = handle
         return handle
 
@@ -150,7 +164,10 @@ class CheckpointIndex:
         handle = self._open(file)
         if key not in handle.keys():
             raise CheckpointError(f"{key}: the index maps it to {os.path.basename(file)}, which lacks it", key=key)
-        sl = handle.get_slice(key)
+        try:
+            sl = handle.get_slice(key)
+        except Exception as exc:
+            raise _unreadable(file, exc, key=key) from exc
         info = TensorInfo(key=key, shape=tuple(int(d) for d in sl.get_shape()),
                           dtype=torch_dtype_of(sl.get_dtype(), key=key), file=file)
         self._infos[key] = info
@@ -165,6 +182,18 @@ class CheckpointIndex:
         read on its own from the memory map, then stacked in the given order).
         """
         info = self.info(key)
+        try:
+            t = self._read(info, rows)
+        except (CheckpointError, ValueError):
+            raise
+        except Exception as exc:  # a read past a truncated mapping, a corrupt buffer
+            raise _unreadable(info.file, exc, key=key) from exc
+        if dtype is not None and t.dtype != dtype:
+            t = t.to(dtype)
+        return t.to(device) if torch.device(device).type != "cpu" else t
+
+    def _read(self, info: TensorInfo, rows: slice | Sequence[int] | None) -> torch.Tensor:
+        key = info.key
         handle = self._open(info.file)
         sl = handle.get_slice(key)
         if rows is None:
@@ -183,9 +212,7 @@ class CheckpointIndex:
                 t = torch.empty((0, *info.shape[1:]), dtype=info.dtype)
             else:
                 t = torch.stack([sl[r] for r in ids])
-        if dtype is not None and t.dtype != dtype:
-            t = t.to(dtype)
-        return t.to(device) if torch.device(device).type != "cpu" else t
+        return t
 
     def close(self) -> None:
         self._handles.clear()

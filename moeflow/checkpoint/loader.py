@@ -125,6 +125,7 @@ class _Slot:
     key: str
     shape: tuple[int, ...]
     dclass: str
+    dtype: torch.dtype | None = None  # an exact dtype (quantized weights and their scales)
 
 
 @dataclass(frozen=True)
@@ -140,6 +141,7 @@ class LayerPlan:
     expert_keys: tuple[tuple[str, str, str], ...]  # per_expert format: (gate, up, down) key per expert
     optional: tuple[_Slot, ...]  # accounted if present (LongCat zero-expert padding)
     owned: tuple[str, ...]  # full prefixes whose keys are accounted
+    quant: Any = None  # moeflow.quant.checkpoint.QuantLayerPlan of a quantized checkpoint, else None
 
 
 def _as_index(src: str | os.PathLike | CheckpointIndex) -> CheckpointIndex:
@@ -220,11 +222,16 @@ def plan_layer(
         prefix = _find_prefix(index, adapter, layer_idx)
     elif not prefix.endswith("."):
         raise ValueError(f"prefix={prefix!r}: expected a key prefix ending in '.' such as 'model.layers.0.'")
+    from ..quant.checkpoint import quant_spec_of, storage_key
+
+    # The checkpoint's quantization (config.json quantization_config), None when unquantized.
+    qspec = quant_spec_of(config if family_or_config is None or isinstance(family_or_config, str)
+                          else family_or_config, index.directory)
 
     # Which format: the fused gate_up, or expert 0's gate under the per-expert names.
     fused_key = prefix + adapter.fused.gate_up
     per = adapter.per_expert
-    if fused_key in index:
+    if storage_key(qspec, fused_key, fused=True) in index:
         names, fmt = adapter.fused, "fused"
     elif per is not None and prefix + per.expert[0].format(e=0) in index:
         names, fmt = per, "per_expert"
@@ -276,14 +283,32 @@ def plan_layer(
         for e, extra_names in adapter.per_expert_extra(d):
             optional += [_Slot(f"unused[{e}]", prefix + n.format(e=e), (I, H), _WEIGHT) for n in extra_names]
     optional += [_Slot("ignored", prefix + n, (E + d.Z,), _AUX) for n in adapter.ignored(config)]
+    quant = None
+    if qspec is not None:
+        slots, quant = _quantized_slots(index, qspec, slots, d, _model_dtype(config))
 
     # Both formats' prefixes are accounted, so that a stray tensor of the other format is caught.
     all_owned = adapter.fused.owned + (per.owned if per is not None else ())
     owned = tuple(dict.fromkeys(prefix + o for o in all_owned))
     plan = LayerPlan(adapter=adapter, dims=d, layer_idx=layer_idx, prefix=prefix, source_format=fmt,
-                     slots=tuple(slots), expert_keys=tuple(expert_keys), optional=tuple(optional), owned=owned)
+                     slots=tuple(slots), expert_keys=tuple(expert_keys), optional=tuple(optional), owned=owned,
+                     quant=quant)
     _account(index, plan, _model_dtype(config))
     return plan
+
+
+def _quantized_slots(index: CheckpointIndex, qspec: Any, slots: list[_Slot], d: Dims,
+                     model_dtype: torch.dtype | None) -> tuple[list[_Slot], Any]:
+    """The plan's slots with the expert (and quantized shared-expert) weights in their quantized form
+    plus their scale tensors (rules: moeflow.quant.checkpoint)."""
+    from ..quant.checkpoint import QuantLayerPlan, quantize_slots
+
+    qslots, replaced, shared_q = quantize_slots(qspec, index, [(s.role, s.key, s.shape) for s in slots],
+                                                H=d.H, I=d.I)
+    kept = [s for s in slots if s.role not in replaced]
+    kept += [_Slot(role, key, shape, "exact", dtype) for role, key, shape, dtype in qslots]
+    plan = QuantLayerPlan(spec=qspec, shared_quantized=shared_q, shared_dtype=model_dtype or torch.float32)
+    return kept, plan
 
 
 def _account(index: CheckpointIndex, plan: LayerPlan, model_dtype: torch.dtype | None) -> None:
@@ -306,13 +331,16 @@ def _account(index: CheckpointIndex, plan: LayerPlan, model_dtype: torch.dtype |
     checked = [expected[k] for k in sorted(expected)] + [optional[k] for k in sorted(optional) if k in index]
     weight_dtype = model_dtype
     if weight_dtype is None:
-        first = next(s for s in plan.slots if s.dclass == _WEIGHT)
+        # (A quantized layer may have no plain weight but its router.)
+        first = next((s for s in plan.slots if s.dclass == _WEIGHT), plan.slots[0])
         weight_dtype = index.info(first.key).dtype
     for s in checked:
         info = index.info(s.key)
         if info.shape != s.shape:
             raise CheckpointError(f"{where}: {s.key}: shape {list(info.shape)}, expected {list(s.shape)}", key=s.key)
-        if s.dclass == _WEIGHT:
+        if s.dtype is not None:
+            ok, want = info.dtype == s.dtype, str(s.dtype)
+        elif s.dclass == _WEIGHT:
             ok, want = info.dtype == weight_dtype, str(weight_dtype)
         elif s.dclass == _AUX:
             ok, want = info.dtype in (weight_dtype, torch.float32), f"{weight_dtype} or torch.float32"
@@ -362,6 +390,11 @@ def load_moe_layer(
                       bytes are read; the router weight is always read whole.
     dtype:            cast the expert, shared-expert and router weights to this dtype (biases,
                       scales and hash tables keep theirs). None keeps the stored dtype.
+                      Quantized checkpoints (config.json quantization_config: FP8 block, MXFP4,
+                      ModelOpt NVFP4; moeflow.quant): None keeps the experts quantized (an
+                      ExpertWeights with `quant` and its scales); a dtype dequantizes them with
+                      their scales (never a bare cast). A quantized shared expert is always
+                      dequantized (to `dtype`, else the config's dtype, else float32).
     prefix:           the layer's key prefix ("model.layers.3."), found automatically if None.
 
     Raises CheckpointError (a ValueError) naming the key on a missing, unexpected,
@@ -384,7 +417,15 @@ def load_moe_layer(
     # Contiguous ascending ids -> one slice read per fused tensor; else row by row.
     contiguous = ids == list(range(ids[0], ids[0] + len(ids)))
     rows = slice(ids[0], ids[0] + len(ids)) if contiguous else ids
-    if plan.source_format == "fused":
+    experts = None
+    if plan.quant is not None:
+        from ..quant.checkpoint import read_quantized_experts
+
+        experts = read_quantized_experts(
+            index, plan.quant.spec, by_role, fmt=plan.source_format, ids=ids, I=d.I, layout=adapter.layout,
+            interleaved=adapter.interleaved, device=device, dtype=dtype,
+            biases=(read("gate_up_bias", rows=rows), read("down_bias", rows=rows)))
+    elif plan.source_format == "fused":
         gate_up = read("gate_up", cast=True, rows=rows)
         down = read("down", cast=True, rows=rows)
         gate_up_bias = read("gate_up_bias", cast=True, rows=rows)
@@ -404,7 +445,12 @@ def load_moe_layer(
         gate_up_bias = down_bias = None
 
     shared = None
-    if "shared_gate_proj" in by_role:
+    if plan.quant is not None and plan.quant.shared_quantized:
+        from ..quant.checkpoint import read_quantized_shared
+
+        shared = SharedExpertWeights(*read_quantized_shared(index, plan.quant.spec, by_role, device=device,
+                                                            dtype=dtype or plan.quant.shared_dtype))
+    elif "shared_gate_proj" in by_role:
         shared = SharedExpertWeights(read("shared_gate_proj", cast=True), read("shared_up_proj", cast=True),
                                      read("shared_down_proj", cast=True))
     return LayerWeights(
@@ -412,8 +458,8 @@ def load_moe_layer(
         layer_idx=layer_idx,
         expert_ids=tuple(ids),
         router_weight_EH=read("router_weight", cast=True),
-        experts=ExpertWeights(gate_up, down, gate_up_bias, down_bias, layout=adapter.layout,
-                              interleaved=adapter.interleaved),
+        experts=experts if experts is not None else ExpertWeights(
+            gate_up, down, gate_up_bias, down_bias, layout=adapter.layout, interleaved=adapter.interleaved),
         router_bias_E=read("router_bias"),
         selection_bias_E=read("selection_bias"),
         expert_scale_E=read("expert_scale"),

@@ -14,6 +14,10 @@ Registered names:
 "auto": "triton" on CUDA when it is available and its `supports(config)` accepts,
 else "grouped". A requested name that is unknown, refused by `supports(config)`, or
 not built for the device raises ValueError carrying the reason.
+
+Quantized weights (`quant=` a moeflow.quant.QuantSpec): only an impl whose
+`quant_formats` attribute names the format runs them ("reference" runs every format);
+"auto" takes the first of triton (CUDA), reference that does.
 """
 
 from __future__ import annotations
@@ -108,7 +112,16 @@ def _grouped_for(config: MoEConfig, T: int) -> GroupedExperts:
     return _GROUPED
 
 
-def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, requested: str = "auto"):
+def _quant_ok(impl, quant) -> tuple[bool, str]:
+    formats = tuple(getattr(impl, "quant_formats", ()))
+    if quant is None or quant.format in formats:
+        return True, ""
+    return False, (f"it cannot run quantized weights of format {quant.format!r} (its quant_formats: {formats}); "
+                   f"'reference' runs them on the dequantized weights")
+
+
+def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, requested: str = "auto", *,
+                        quant=None):
     """The experts implementation to run `config` on `device` for a call of T tokens.
 
     Pure: the same arguments give the same object (no state is read or written
@@ -119,6 +132,7 @@ def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, r
         device: where the experts' tensors live.
         T: tokens in the call (>= 0); picks the grouped impl's bmm path for small T.
         requested: "auto" or a registered name.
+        quant: the weights' moeflow.quant.QuantSpec (ExpertWeights.quant), None for plain weights.
 
     Raises:
         ValueError: unknown name, or the named impl refuses the config or device
@@ -131,6 +145,17 @@ def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, r
     if not isinstance(requested, str):
         raise TypeError(f"requested: expected a str, got {type(requested).__name__}")
     device = torch.device(device)
+    if quant is not None:
+        from ..quant.spec import QuantSpec
+
+        if not isinstance(quant, QuantSpec):
+            raise TypeError(f"quant: expected a QuantSpec or None, got {type(quant).__name__}")
+        if requested == "auto":
+            triton = _triton_impl() if device.type == "cuda" else None
+            for impl in (triton, _REFERENCE):
+                if (impl is not None and _quant_ok(impl, quant)[0] and impl.supports(config)[0]
+                        and _device_ok(impl, device)[0]):
+                    return impl
     if requested == "auto":
         if device.type == "cuda":
             impl = _triton_impl()
@@ -144,6 +169,9 @@ def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, r
     ok, reason = _device_ok(impl, device)
     if not ok:
         raise ValueError(f"experts impl {requested!r} refuses device {device}: {reason}")
+    ok, reason = _quant_ok(impl, quant)
+    if not ok:
+        raise ValueError(f"experts impl {requested!r} refuses these weights: {reason}")
     if requested == "grouped":
         return _grouped_for(config, T)
     return impl

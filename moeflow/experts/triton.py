@@ -32,12 +32,12 @@ computed and turns its token's output row to NaN (loud, not a silent clamp).
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from functools import lru_cache
 
 import torch
 
+from .._triton import triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import MoETileConfig, ShapeKey, lookup
 from .base import check_pairs
@@ -46,11 +46,6 @@ _ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Combine pass: columns per program.
 _COMBINE_BLOCK_H = 1024
-
-
-@lru_cache(maxsize=1)
-def _triton_present() -> bool:
-    return importlib.util.find_spec("triton") is not None
 
 
 @lru_cache(maxsize=8)
@@ -97,7 +92,7 @@ class TritonExperts:
     def supports(self, config: MoEConfig) -> tuple[bool, str]:
         if not isinstance(config, MoEConfig):
             return False, f"config: expected MoEConfig, got {type(config).__name__}"
-        if not _triton_present():
+        if not triton_available():
             return False, "the triton package is not installed"
         if not self.allow_cpu and not torch.cuda.is_available():
             return False, "needs a CUDA device (torch.cuda.is_available() is False)"

@@ -1,30 +1,36 @@
-"""attach_offload: run a list of MoELayers from an ExpertStore through one device slot cache.
+"""attach_offload: serve a list of MoELayers' experts from host memory through one device slot cache.
 
-Legend: T tokens, H hidden, E routed experts, Z zero experts, K picks per token,
-S slots, L offloaded layers, N (token, pick) pairs, W prediction width.
+Legend: T tokens, H hidden, E routed experts (a rank's local count under expert
+parallelism), Z zero experts, K picks per token, S slots, L offloaded layers, N (token,
+pick) rows, W prediction width.
 
-How it hooks into MoELayer (moeflow/layer.py), without editing it: MoELayer.forward
-is route -> `self.experts_forward(x_TH, routing)` -> + shared expert. attach_offload
-sets an instance attribute `experts_forward` on each layer (it shadows the method)
-that, per call:
+Offload is an expert-source choice (moeflow.types.ExpertSource): `attach_offload` gives
+each layer an `OffloadedExperts` source (`layer.set_source`), so the layer's one forward,
+its dispatcher (local, all_to_all, all_reduce) and its experts impl stay as they are.
+Per layer step, `OffloadedExperts.run`:
 
-    1. runs the next layer's router on x_TH (Prefetcher.predict_ids, device),
-    2. reads this layer's ids and the prediction back in ONE device->host copy
+    1. runs the next layer's router on the step input (Prefetcher.predict_ids, device),
+    2. reads the batch's expert ids and the prediction back in ONE device->host copy
        (the read-back routing-driven offload needs anyway; seed 004 does the same),
     3. protects the predicted keys, pins this step's experts and copies the missing
        ones (ExpertCache.ensure: side stream + per-slot events; compute waits only on
        the slots it reads),
     4. issues the prefetch of the predicted missing experts (side stream, overlapping
        this layer's compute),
-    5. remaps expert ids to slot ids with a small device lookup table and calls the
-       layer's own `run_experts` on ExpertWeights views of the slot buffers, so the
-       dispatch, kernels and combine are exactly the resident model's (same rows in
-       the same order per expert -> the same bits).
+    5. maps expert ids to slot ids with a small device lookup table and runs the impl on
+       ExpertWeights views of the slot buffers: the same rows in the same order per
+       expert as the resident source, so the same bits.
 
-When one step touches more distinct experts than there are slots (a long prefill),
-the experts run in groups of <= S: the pairs path (dispatch, forward_pairs per group
-on contiguous row ranges, unpermute, combine), still every expert seeing all its rows
-in order.
+When one step touches more distinct experts than there are slots (a long prefill), the
+experts run in groups of <= S, every expert still seeing all its rows in order.
+
+Under expert parallelism each rank's cache holds only its local experts (keys (layer,
+local expert)); the prediction ranks the next layer's experts for this rank's tokens and
+keeps the ones this rank owns.
+
+Concurrency: one runtime's state (slot table, staging table, pins) is shared by every
+layer; a lock serialises layer steps, so forwards from several threads give the resident
+model's answers (one at a time), never a step that sees another's slots.
 
 The layer's own expert Parameters are released (their storage replaced by an empty
 tensor of the same dtype) once the store holds a copy, so `model.to("cuda")` afterwards
@@ -33,34 +39,65 @@ moves only the rest of the model. Pass release=False to keep them (tests compare
 
 from __future__ import annotations
 
+import os
+import threading
 from collections.abc import Sequence
 
 import torch
 
-from ..experts.select import select_experts_impl
-from ..layer import MoELayer, run_experts
+from ..config import ExpertWeights, MoEConfig
+from ..experts.source import scaled_rows
 from ..parallel.local import combine_TH, dispatch_rows, local_dispatch, unpermute_TKH
-from ..types import RoutingResult
+from ..types import ExpertBatch, PairBatch, TokenBatch
 from .cache import CacheStats, ExpertCache
 from .config import OffloadConfig
 from .policy import Key, make_policy
 from .prefetch import Prefetcher
 from .store import ExpertStore, available_host_bytes
 
-_EXPERT_PARAMS = ("gate_up", "down", "gate_up_bias", "down_bias")
 # "auto" pins a host copy only when it leaves this much of the available memory free
 _HOST_MARGIN = 0.8
 
+__all__ = ["OffloadRuntime", "OffloadedExperts", "attach_offload", "check_offload"]
 
-class OffloadRuntime:
-    """The live offload state of a model: store, cache, prefetcher, and the per-layer hooks.
 
-    Attributes:
-        layers, store, cache, prefetcher, config.
-        copies_per_step: demand + prefetch copies of the latest step (diagnostics).
+class OffloadedExperts:
+    """The ExpertSource of one offloaded layer: its experts come from the runtime's slot cache.
+
+    runtime: the shared OffloadRuntime; pos: the layer's position in it (cache key layer).
+    num_experts: experts served (ids the batches use; a rank's local count under EP).
     """
 
-    def __init__(self, layers: Sequence[MoELayer], store: ExpertStore, config: OffloadConfig) -> None:
+    def __init__(self, runtime: OffloadRuntime, pos: int) -> None:
+        self.runtime = runtime
+        self.pos = pos
+        self.num_experts = runtime.store.num_experts[pos]
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.runtime.store.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    def run(self, impl, batch: ExpertBatch, config: MoEConfig, *, step_input: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        return self.runtime.run_step(self.pos, impl, batch, config, step_input)
+
+    def __repr__(self) -> str:
+        return f"OffloadedExperts(layer={self.pos}, experts={self.num_experts}, slots={self.runtime.cache.num_slots})"
+
+
+class OffloadRuntime:
+    """The live offload state of a model: store, cache, prefetcher, and the per-layer sources.
+
+    Attributes:
+        layers, store, cache, prefetcher, config, device.
+        sources: the OffloadedExperts of each layer (position order).
+    """
+
+    def __init__(self, layers: Sequence, store: ExpertStore, config: OffloadConfig) -> None:
         self.layers = list(layers)
         self.store = store
         self.config = config
@@ -70,115 +107,124 @@ class OffloadRuntime:
         self.device = self.cache.device
         width = config.prediction_width(max(layer.config.top_k for layer in self.layers))
         self.prefetcher = Prefetcher(self.layers, self.cache, width=width, prefetch=config.prefetch_width > 0)
-        e_max = max(layer.config.router.num_slots for layer in self.layers)
-        ids_dtype = torch.int32
+        e_max = max(store.num_experts) + max(layer.config.router.num_zero_experts for layer in self.layers)
         pin = self.device.type == "cuda"
         # the expert id -> slot id table: host staging (pinned) + device copy, allocated once
-        self._lut_host = torch.zeros(e_max, dtype=ids_dtype, pin_memory=pin)
+        self._lut_host = torch.zeros(e_max, dtype=torch.int32, pin_memory=pin)
         self._lut_dev = self._lut_host if self.device.type == "cpu" else torch.zeros(
-            e_max, dtype=ids_dtype, device=self.device)
-        self._installed: list[MoELayer] = []
+            e_max, dtype=torch.int32, device=self.device)
+        self.lock = threading.RLock()
+        self.sources = [OffloadedExperts(self, pos) for pos in range(len(self.layers))]
+        self._resident: list = []
 
-    # ---- hooks ----------------------------------------------------------------------------
+    # ---- sources ---------------------------------------------------------------------------
     def install(self) -> None:
-        for pos, layer in enumerate(self.layers):
-            layer.experts_forward = self._make_hook(pos, layer)  # instance attribute shadows the method
+        """Give every layer its OffloadedExperts source (the resident ones are kept for detach)."""
+        self._resident = [layer.source for layer in self.layers]
+        for layer, src in zip(self.layers, self.sources):
+            layer.set_source(src)
             layer.offload = self
-            self._installed.append(layer)
 
     def detach(self) -> None:
-        """Remove the hooks (the layers then need their expert tensors back to run)."""
-        for layer in self._installed:
-            layer.__dict__.pop("experts_forward", None)
+        """Give the layers their resident sources back (they need their expert tensors then)."""
+        for layer, src in zip(self.layers, self._resident):
+            layer.set_source(src)
             layer.__dict__.pop("offload", None)
-        self._installed.clear()
-
-    def _make_hook(self, pos: int, layer: MoELayer):
-        def experts_forward(x_TH: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
-            return self.forward_layer(pos, layer, x_TH, routing)
-
-        return experts_forward
+        self._resident = []
 
     # ---- one layer step -------------------------------------------------------------------
-    def forward_layer(self, pos: int, layer: MoELayer, x_TH: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
-        cfg = layer.config
-        if x_TH.device != self.device:
-            raise ValueError(f"x_TH: on {x_TH.device}, expected the offload cache's device {self.device} "
+    def run_step(self, pos: int, impl, batch: ExpertBatch, config: MoEConfig, step_input: torch.Tensor | None
+                 ) -> torch.Tensor:
+        with self.lock:
+            return self._run_step(pos, impl, batch, config, step_input)
+
+    def _check_input(self, x: torch.Tensor) -> None:
+        if x.device != self.device:
+            raise ValueError(f"x_TH: on {x.device}, expected the offload cache's device {self.device} "
                              f"(move the model's non-expert parts there: model.to({str(self.device)!r}))")
-        if x_TH.dtype != self.store.dtype:
-            raise TypeError(f"x_TH: dtype {x_TH.dtype}, expected the offloaded experts' dtype {self.store.dtype}")
-        T = int(routing.ids_TK.shape[0])
-        impl = select_experts_impl(cfg, x_TH.device, T, layer.experts_impl)
-        layer.impl_name = impl.name
-        if T == 0:
-            return x_TH.new_zeros(0, x_TH.shape[1])
-        E = cfg.num_experts
-        pred_TW = self.prefetcher.predict_ids(pos, x_TH)
-        ids_host, pred_host = _read_back(routing.ids_TK, pred_TW)  # the step's one device->host read
-        used = sorted({e for row in ids_host for e in row if e < E})
-        pred_keys = Prefetcher.keys(pos, pred_host)
+        if x.dtype != self.store.dtype:
+            raise TypeError(f"x_TH: dtype {x.dtype}, expected the offloaded experts' dtype {self.store.dtype}")
+
+    def _run_step(self, pos, impl, batch: ExpertBatch, config: MoEConfig, step_input) -> torch.Tensor:
+        tokens = isinstance(batch, TokenBatch)
+        x = batch.x_TH if tokens else batch.x_NH
+        self._check_input(x)
+        H = config.hidden_size
+        if tokens:
+            ids = batch.ids_TK
+        else:
+            if batch.valid_N is not None:
+                raise ValueError("offload: fixed-shape (static) expert-parallel batches are not served from the "
+                                 "slot cache; shard with static_tokens=None")
+            ids = batch.expert_N
+        if ids.numel() == 0:
+            return x.new_zeros(int(x.shape[0]), H)
+        E = self.store.num_experts[pos]
+        pred_TW = self.prefetcher.predict_ids(pos, step_input) if step_input is not None else None
+        ids_host, pred_host = _read_back(ids, pred_TW)  # the step's one device->host read
+        used = sorted({e for e in ids_host if e < E})
+        pred_keys = self.prefetcher.local_keys(pos, pred_host)
         self.prefetcher.protect(pred_keys)
         S = self.cache.num_slots
+        w = self.cache.weights
         if len(used) <= S:
             slots = self.cache.ensure([(pos, e) for e in used])
             self.prefetcher.issue(pred_keys)
-            slot_routing = RoutingResult(self._remap(routing.ids_TK, pos, used, slots, E, cfg), routing.weights_TK)
-            return run_experts(x_TH, slot_routing, self.cache.weights, cfg, impl)
-        return self._forward_chunked(pos, layer, x_TH, routing, ids_host, used, impl, pred_keys)
+            lut = self._fill_lut(pos, used, slots, E, config.router.num_zero_experts)
+            if tokens:
+                slot_TK = torch.index_select(lut, 0, ids.reshape(-1).to(torch.int32)).view(ids.shape)
+                return impl.forward_tokens(batch.x_TH, slot_TK, batch.weights_TK, w, config)
+            slot_N = torch.index_select(lut, 0, ids.to(torch.int32))
+            return impl.forward_pairs(scaled_rows(batch, config), slot_N, w, config)
+        if tokens:
+            return self._tokens_chunked(pos, impl, batch, config, used, pred_keys)
+        return self._pairs_chunked(pos, impl, scaled_rows(batch, config), batch.expert_N, ids_host, config, used,
+                                   pred_keys)
 
-    def _remap(self, ids_TK: torch.Tensor, pos: int, used: list[int], slots: dict[Key, int], E: int,
-               cfg) -> torch.Tensor:
-        """ids_TK with routed ids replaced by slot ids and zero experts by S + z (device)."""
+    def _fill_lut(self, pos: int, used: list[int], slots: dict[Key, int], E: int, Z: int) -> torch.Tensor:
+        """The device expert id -> slot id table for this step (zero experts -> S + z)."""
         lut = self._lut_host
         for e in used:
             lut[e] = slots[(pos, e)]
         S = self.cache.num_slots
-        for z in range(cfg.router.num_zero_experts):
+        for z in range(Z):
             lut[E + z] = S + z
         if self._lut_dev is not lut:
             # stream-ordered, from pinned memory; the next write to the staging table happens
             # after the next read-back, which the compute stream has passed by then
             self._lut_dev.copy_(lut, non_blocking=True)
-        flat = ids_TK.reshape(-1)
-        return torch.index_select(self._lut_dev, 0, flat).view(ids_TK.shape)
+        return self._lut_dev
 
-    def _forward_chunked(self, pos, layer, x_TH, routing, ids_host, used, impl, pred_keys):
-        """More distinct experts than slots: run them in groups of <= S on contiguous row ranges."""
-        cfg = layer.config
-        spec = cfg.router
-        E, S = cfg.num_experts, self.cache.num_slots
-        d = local_dispatch(routing.ids_TK, E, num_zero_experts=spec.num_zero_experts)
-        x_NH = dispatch_rows(x_TH, d)
-        if spec.weight_on_input:
-            w_N1 = routing.weights_TK.reshape(-1).index_select(0, d.order_N).to(x_TH.dtype).unsqueeze(1)
-            x_NH = x_NH * w_N1
-        counts = [0] * E
-        for row in ids_host:
-            for e in row:
-                if e < E:
-                    counts[e] += 1
-        starts, acc = [0] * (E + 1), 0
-        for e in range(E):
-            starts[e] = acc
-            acc += counts[e]
-        starts[E] = acc
+    def _pairs_chunked(self, pos, impl, x_NH, expert_N, ids_host, config, used, pred_keys) -> torch.Tensor:
+        """More distinct experts than slots: run them in groups of <= S, each expert on all its rows in order."""
+        S = self.cache.num_slots
+        E = self.store.num_experts[pos]
         y_NH = torch.empty_like(x_NH)
+        ids_t = torch.tensor(ids_host, dtype=torch.int64)
         for g in range(0, len(used), S):
             group = used[g : g + S]
             slots = self.cache.ensure([(pos, e) for e in group])
             if g + S >= len(used):
                 self.prefetcher.issue(pred_keys)
-            a, b = starts[group[0]], starts[group[-1] + 1]  # rows are sorted by expert
-            lut = self._lut_host
-            for e in group:
-                lut[e] = slots[(pos, e)]
-            if self._lut_dev is not lut:
-                self._lut_dev.copy_(lut, non_blocking=True)
-            slot_N = torch.index_select(self._lut_dev, 0, d.expert_N[a:b].to(self._lut_dev.dtype))
-            y_NH[a:b] = impl.forward_pairs(x_NH[a:b], slot_N, self.cache.weights, cfg)
-        y_TKH = unpermute_TKH(y_NH, d)
-        return combine_TH(y_TKH, routing.weights_TK, x_TH=x_TH, zero_TK=d.zero_TK,
-                          weight_on_input=spec.weight_on_input, out_dtype=x_TH.dtype)
+            lut = self._fill_lut(pos, group, slots, E, 0)
+            lo, hi = group[0], group[-1]
+            # `used` is sorted, so a group is a contiguous id range: its rows by one mask.
+            rows = ((ids_t >= lo) & (ids_t <= hi)).nonzero().squeeze(1).to(x_NH.device)
+            slot_R = torch.index_select(lut, 0, expert_N.index_select(0, rows).to(torch.int32))
+            y_NH.index_copy_(0, rows, impl.forward_pairs(x_NH.index_select(0, rows), slot_R, self.cache.weights,
+                                                         config))
+        return y_NH
+
+    def _tokens_chunked(self, pos, impl, batch: TokenBatch, config, used, pred_keys) -> torch.Tensor:
+        """A fused batch with more distinct experts than slots: as pairs grouped by expert, then combined."""
+        E = self.store.num_experts[pos]
+        d = local_dispatch(batch.ids_TK, E)
+        on_input = config.router.weight_on_input
+        w_N = batch.weights_TK.reshape(-1).index_select(0, d.order_N).to(torch.float32) if on_input else None
+        x_NH = scaled_rows(PairBatch(dispatch_rows(batch.x_TH, d), d.expert_N, None, w_N), config)
+        y_NH = self._pairs_chunked(pos, impl, x_NH, d.expert_N, d.expert_N.tolist(), config, used, pred_keys)
+        return combine_TH(unpermute_TKH(y_NH, d), batch.weights_TK, weight_on_input=on_input,
+                          out_dtype=batch.x_TH.dtype)
 
     # ---- reporting ------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -188,24 +234,41 @@ class OffloadRuntime:
         self.cache.reset_stats()
 
 
-def _read_back(ids_TK: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[list[int]], list[list[int]] | None]:
-    """Host lists of the routing ids [T][K] and predicted ids [T][W], in one device->host copy."""
-    T, K = int(ids_TK.shape[0]), int(ids_TK.shape[1])
+def _read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[int], list[list[int]] | None]:
+    """Host lists of the step's expert ids (flat) and predicted ids [T][W], in one device->host copy."""
+    flat = ids.reshape(-1).to(torch.int32)
     if pred_TW is None:
-        flat = ids_TK.reshape(-1).tolist()
-        return [flat[t * K : (t + 1) * K] for t in range(T)], None
+        return flat.tolist(), None
     W = int(pred_TW.shape[1])
-    both = torch.cat([ids_TK.reshape(-1).to(torch.int32), pred_TW.reshape(-1).to(torch.int32)]).tolist()
-    ids = [both[t * K : (t + 1) * K] for t in range(T)]
-    off = T * K
-    pred = [both[off + t * W : off + (t + 1) * W] for t in range(T)]
-    return ids, pred
+    n = int(flat.shape[0])
+    both = torch.cat([flat, pred_TW.reshape(-1).to(torch.int32)]).tolist()
+    T = int(pred_TW.shape[0])
+    pred = [both[n + t * W : n + (t + 1) * W] for t in range(T)]
+    return both[:n], pred
 
 
-def _choose_store(layers: Sequence[MoELayer], config: OffloadConfig) -> str:
+def _resident_weights(layer, i: int) -> ExpertWeights:
+    """The layer's resident experts (ValueError naming it when they are not there to offload)."""
+    src = layer.source
+    if isinstance(src, OffloadedExperts) or getattr(layer, "offload", None) is not None:
+        raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): already offloaded")
+    if getattr(src, "spare_expert", None) is not None:
+        raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): a fixed-shape (static_tokens) expert-parallel "
+                         f"layer cannot be offloaded; shard it with static_tokens=None")
+    w = getattr(src, "weights", None)
+    if not isinstance(w, ExpertWeights):
+        raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): its source {type(src).__name__} holds no "
+                         f"resident experts to offload")
+    if w.quant is not None:
+        # The store and the slots hold one floating dtype today; quantized bytes need per-tensor dtypes.
+        raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): quantized experts ({w.quant.format}) cannot "
+                         f"be offloaded yet; load them dequantized (load_moe_layer(..., dtype=torch.bfloat16))")
+    return w
+
+
+def _choose_store(weights: Sequence[ExpertWeights], config: OffloadConfig) -> str:
     if config.store != "auto":
         return config.store
-    weights = [layer.expert_weights for layer in layers]
     need = sum(w.gate_up.numel() + w.down.numel() for w in weights) * weights[0].gate_up.element_size()
     avail = available_host_bytes()
     if avail is None or need <= _HOST_MARGIN * avail:
@@ -213,18 +276,43 @@ def _choose_store(layers: Sequence[MoELayer], config: OffloadConfig) -> str:
     return "mmap" if config.checkpoint is not None else "model"
 
 
-def attach_offload(layers: Sequence[MoELayer], config: OffloadConfig, *, release: bool = True,
+def check_offload(layers: Sequence, config: OffloadConfig) -> list[ExpertWeights]:
+    """Validate offloading `layers` with `config` without changing anything; the resident weights.
+
+    Raises TypeError/ValueError naming the OffloadConfig field (too few slots for K, a
+    prediction wider than E, a missing checkpoint path, a device that is not there) or the
+    layer (already offloaded, no resident experts, static expert-parallel buffers).
+    """
+    if not isinstance(config, OffloadConfig):
+        raise TypeError(f"config: expected an OffloadConfig, got {type(config).__name__}")
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not hasattr(layer, "set_source") or not hasattr(layer, "source"):
+            raise TypeError(f"layers[{i}]: expected a MoELayer, got {type(layer).__name__}")
+    config.check_layers([layer.config.top_k for layer in layers], [layer.config.num_experts for layer in layers])
+    weights = [_resident_weights(layer, i) for i, layer in enumerate(layers)]
+    dev = torch.device(config.resolved_device())
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"OffloadConfig.device={config.device!r}: CUDA is not available on this machine")
+    if config.store == "mmap" or (config.store == "auto" and config.checkpoint is not None):
+        if config.checkpoint is not None and not os.path.exists(os.fspath(config.checkpoint)):
+            raise ValueError(f"OffloadConfig.checkpoint={os.fspath(config.checkpoint)!r}: no such file or directory")
+    return weights
+
+
+def attach_offload(layers: Sequence, config: OffloadConfig, *, release: bool = True,
                    progress: bool = True, layer_ids: Sequence[int] | None = None,
                    store: ExpertStore | None = None) -> OffloadRuntime:
     """Serve `layers` (model order) from host memory through one cache of config.gpu_slots experts.
 
     Args:
         layers: the model's MoELayers, in the order a token visits them (position i is
-            layer i of the cache keys and traces).
+            layer i of the cache keys and traces). Expert-parallel layers (all_to_all or
+            all_reduce, dynamic) offload their local experts only.
         config: OffloadConfig.
-        release: after the store holds the experts, replace the layers' expert Parameters'
-            storage by empty tensors (frees host/device memory; the model's non-expert
-            parts can then be moved with model.to(device)). Not done in store mode "model".
+        release: after the store holds the experts, give the layers' expert Parameters
+            empty storage (frees host/device memory; the model's non-expert parts can then
+            be moved with model.to(device)). Not done in store mode "model".
         progress: tqdm bar over the initial load.
         layer_ids: checkpoint layer numbers for store "mmap" (default: each layer's layer_idx).
         store: an ExpertStore already built for these layers (e.g. shared by several
@@ -232,51 +320,44 @@ def attach_offload(layers: Sequence[MoELayer], config: OffloadConfig, *, release
     Returns:
         the OffloadRuntime (stats(), cache, store, detach()); also set as `layer.offload`.
     Raises:
-        ValueError naming the OffloadConfig field (too few slots for K, prefetch wider
-        than E) or the layer (shapes differ, expert parallel subsets).
+        ValueError naming the OffloadConfig field or the layer (see `check_offload`); every
+        check runs before anything is changed, so a refused call leaves the layers as they were.
     """
-    if not isinstance(config, OffloadConfig):
-        raise TypeError(f"config: expected an OffloadConfig, got {type(config).__name__}")
+    weights = check_offload(layers, config)
     layers = list(layers)
-    for i, layer in enumerate(layers):
-        if not isinstance(layer, MoELayer):
-            raise TypeError(f"layers[{i}]: expected a MoELayer, got {type(layer).__name__}")
-        if getattr(layer, "offload", None) is not None:
-            raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): already offloaded")
-    config.check_layers([layer.config.top_k for layer in layers], [layer.config.num_experts for layer in layers])
+    locals_ = [_local_ids(layer) for layer in layers]
     if store is not None:
-        if store.num_experts != [layer.config.num_experts for layer in layers]:
+        if store.num_experts != [w.num_experts for w in weights]:
             raise ValueError(f"store: {store.num_experts} experts per layer, the layers have "
-                             f"{[layer.config.num_experts for layer in layers]}")
+                             f"{[w.num_experts for w in weights]}")
         runtime = OffloadRuntime(layers, store, config)
         runtime.install()
         return runtime
-    mode = _choose_store(layers, config)
+    mode = _choose_store(weights, config)
     if mode == "mmap":
         ids = list(layer_ids) if layer_ids is not None else [layer.layer_idx for layer in layers]
-        w0 = layers[0].expert_weights
-        store = ExpertStore.from_checkpoint(config.checkpoint, ids, layout=w0.layout, interleaved=w0.interleaved,
-                                            dtype=w0.dtype, progress=progress)
-        for i, layer in enumerate(layers):
-            if store.num_experts[i] != layer.config.num_experts:
-                raise ValueError(f"layers[{i}]: {layer.config.num_experts} experts, but checkpoint layer {ids[i]} "
+        w0 = weights[0]
+        expert_ids = None if all(loc is None for loc in locals_) else [
+            list(loc) if loc is not None else list(range(w.num_experts)) for loc, w in zip(locals_, weights)]
+        store = ExpertStore.from_checkpoint(os.fspath(config.checkpoint), ids, layout=w0.layout,
+                                            interleaved=w0.interleaved, dtype=w0.dtype, progress=progress,
+                                            expert_ids=expert_ids)
+        for i, w in enumerate(weights):
+            if store.num_experts[i] != w.num_experts:
+                raise ValueError(f"layers[{i}]: {w.num_experts} experts, but checkpoint layer {ids[i]} "
                                  f"has {store.num_experts[i]}")
     else:
-        store = ExpertStore.from_weights([layer.expert_weights for layer in layers], mode=mode, progress=progress)
+        store = ExpertStore.from_weights(weights, mode=mode, progress=progress)
     runtime = OffloadRuntime(layers, store, config)
-    if release and mode != "model":
-        for layer in layers:
-            _release_experts(layer)
+    resident = [layer.source for layer in layers]
     runtime.install()
+    if release and mode != "model":
+        for src in resident:
+            src.release()
     return runtime
 
 
-def _release_experts(layer: MoELayer) -> None:
-    """Free the layer's expert tensors (shared with the model) by giving them empty storage."""
-    for name in _EXPERT_PARAMS:
-        full = f"{name}_full" if name in layer._rows else name
-        t = getattr(layer, full, None)
-        if t is None:
-            continue
-        with torch.no_grad():
-            t.data = torch.empty(0, dtype=t.dtype, device=t.device)
+def _local_ids(layer) -> tuple[int, ...] | None:
+    """The global ids of the experts a layer's source serves (None: all, in order)."""
+    ids = getattr(layer.dispatcher, "local_ids", None)
+    return tuple(ids) if ids is not None else None

@@ -6,6 +6,7 @@ experts per layer, K picks per token, W prediction width.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 POLICIES: tuple[str, ...] = ("lru", "random_oldest", "predictive")
@@ -14,6 +15,26 @@ STORES: tuple[str, ...] = ("auto", "pinned", "mmap", "model")
 
 def _is_int(v: object) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _check_device(device: str) -> None:
+    """ValueError naming OffloadConfig.device when it does not parse or names a CUDA device this machine lacks."""
+    import torch
+
+    try:
+        dev = torch.device(device)
+    except (RuntimeError, ValueError) as exc:
+        raise ValueError(f"OffloadConfig.device={device!r}: not a torch device ({exc}); expected 'cuda', "
+                         f"'cuda:N' or 'cpu'") from exc
+    if dev.type != "cuda":
+        return
+    if not torch.cuda.is_available():
+        raise ValueError(f"OffloadConfig.device={device!r}: CUDA is not available on this machine; "
+                         f"expected device='cpu' or None (cuda when available, else cpu)")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise ValueError(f"OffloadConfig.device={device!r}: this machine has {count} CUDA device(s), "
+                         f"expected an index in [0, {count})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -33,13 +54,16 @@ class OffloadConfig:
                     (None: prefetch_width if > 0, else the next layer's K).
     device:         device of the slot cache ("cuda", "cuda:1", "cpu"; None: cuda when
                     available, else cpu). CPU runs the same logic with host->host copies.
+                    A CUDA device is checked here, at construction, so a machine without
+                    CUDA (or without that device index) refuses before any model is touched.
     store:          where the experts live on the host: "pinned" (a copy in page-locked
                     memory when CUDA is available, plain memory otherwise), "mmap" (memory-
                     mapped safetensors, read lazily; needs `checkpoint`), "model" (the
                     model's own tensors, no copy), "auto" (pinned when the copy fits in
                     available host memory with a margin, else mmap when `checkpoint` is set,
                     else model).
-    checkpoint:     a safetensors file or checkpoint directory, for store "mmap"/"auto".
+    checkpoint:     a safetensors file or checkpoint directory, for store "mmap"/"auto": a str
+                    or any os.PathLike (pathlib.Path); stored as the str os.fspath gives.
     oldest_fraction: share of the slots "random_oldest"/"predictive" draw victims from (~6%).
     seed:           seed of the eviction RNG (runs are reproducible).
     measure_wait:   time the compute stream's waits on copies with CUDA events (read back
@@ -52,7 +76,7 @@ class OffloadConfig:
     predict_width: int | None = None
     device: str | None = None
     store: str = "auto"
-    checkpoint: str | None = None
+    checkpoint: str | os.PathLike | None = None
     oldest_fraction: float = 0.0625
     seed: int = 0
     measure_wait: bool = True
@@ -70,12 +94,21 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.predict_width={self.predict_width!r}: expected None or an int >= 1")
         if self.device is not None and not isinstance(self.device, str):
             raise TypeError(f"OffloadConfig.device={self.device!r}: expected a str like 'cuda' or 'cpu', or None")
+        if self.device is not None:
+            _check_device(self.device)
         if self.store not in STORES:
             raise ValueError(f"OffloadConfig.store={self.store!r}: expected one of {STORES}")
         if self.store == "mmap" and self.checkpoint is None:
             raise ValueError("OffloadConfig.checkpoint=None: store='mmap' needs a safetensors file or directory")
-        if self.checkpoint is not None and not isinstance(self.checkpoint, str):
-            raise TypeError(f"OffloadConfig.checkpoint={self.checkpoint!r}: expected a path str or None")
+        if self.checkpoint is not None:
+            if not isinstance(self.checkpoint, (str, os.PathLike)):
+                raise TypeError(
+                    f"OffloadConfig.checkpoint={self.checkpoint!r}: expected a path (str or os.PathLike) or None")
+            path = os.fspath(self.checkpoint)
+            if not isinstance(path, str):  # a bytes path: the stores and the index read str paths
+                raise TypeError(f"OffloadConfig.checkpoint={self.checkpoint!r}: expected a str path, got bytes")
+            # One type downstream (store.py, attach.py read it): always the str.
+            object.__setattr__(self, "checkpoint", path)
         f = self.oldest_fraction
         if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 < f <= 1.0:
             raise ValueError(f"OffloadConfig.oldest_fraction={f!r}: expected a float in (0, 1]")

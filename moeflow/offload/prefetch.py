@@ -22,6 +22,7 @@ from collections.abc import Sequence
 import torch
 
 from ..routing.predict import predict_next_ids
+from ..routing.router import router_input
 from .policy import Key
 
 
@@ -40,21 +41,37 @@ class Prefetcher:
         self.width = int(width)
         self.prefetch_enabled = bool(prefetch) and self.width > 0
         self.issued_last = 0
+        # Expert parallelism: layer -> {global expert id: local id} of the experts this rank
+        # serves (None: every expert, ids unchanged). A prediction keeps only owned experts.
+        self._to_local: list[dict[int, int] | None] = []
+        for layer in self.layers:
+            ids = getattr(getattr(layer, "dispatcher", None), "local_ids", None)
+            self._to_local.append(None if ids is None else {int(g): j for j, g in enumerate(ids)})
 
     def predict_ids(self, pos: int, x_TH: torch.Tensor) -> torch.Tensor | None:
-        """int32 [T, W] device ids of layer pos+1 predicted from layer pos's input (None: nothing)."""
+        """int32 [T, W] device ids (global) of layer pos+1 predicted from layer pos's input (None: nothing)."""
         if self.width <= 0 or pos + 1 >= len(self.layers):
             return None
         nxt = self.layers[pos + 1]
+        rw = nxt.router_weights
         w = min(self.width, nxt.config.num_experts)
         return predict_next_ids(
-            nxt.router_input(x_TH),
-            nxt._tensor("router_weight"),
+            router_input(rw, x_TH),
+            rw.weight_EH,
             nxt.config.router,
-            bias=nxt._tensor("selection_bias"),
+            bias=rw.selection_bias_E,
             width=w,
-            router_bias_E=nxt._tensor("router_bias"),
+            router_bias_E=rw.router_bias_E,
         )
+
+    def local_keys(self, pos: int, pred_rows: Sequence[Sequence[int]] | None) -> list[Key]:
+        """`keys` in the cache's id space: under expert parallelism only the next layer's experts
+        this rank serves, as local ids."""
+        keys = self.keys(pos, pred_rows)
+        if not keys or pos + 1 >= len(self._to_local) or self._to_local[pos + 1] is None:
+            return keys
+        m = self._to_local[pos + 1]
+        return [(layer, m[e]) for layer, e in keys if e in m]
 
     @staticmethod
     def keys(pos: int, pred_rows: Sequence[Sequence[int]] | None) -> list[Key]:

@@ -163,7 +163,8 @@ class ExpertStore:
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer_ids: Sequence[int], *, layout: str = "linear",
                         interleaved: bool = False, dtype: torch.dtype | None = None, family: str | None = None,
-                        layer_prefix: str = "model.layers.{layer}.", progress: bool = True) -> ExpertStore:
+                        layer_prefix: str = "model.layers.{layer}.", progress: bool = True,
+                        expert_ids: Sequence[Sequence[int]] | None = None) -> ExpertStore:
         """A lazy store reading experts from a safetensors checkpoint (mode "mmap").
 
         layer_ids: the checkpoint's decoder-layer numbers of the offloaded layers, in order
@@ -177,7 +178,12 @@ class ExpertStore:
             mlp.experts.gate_up_proj / down_proj [E, ...] (+ _bias) (fused, transformers 5 / gpt-oss)
         The initial pass reads headers only (a progress bar over layers); each miss then
         reads one expert's bytes through the memory map.
+        expert_ids: per layer, the checkpoint experts the store serves, in order (store expert
+        j of layer i is checkpoint expert expert_ids[i][j]: a rank's local experts under
+        expert parallelism); None: every expert of each layer.
         """
+        if expert_ids is not None and len(expert_ids) != len(layer_ids):
+            raise ValueError(f"expert_ids: {len(expert_ids)} lists for {len(layer_ids)} layers")
         from ..checkpoint.index import CheckpointIndex
 
         index = CheckpointIndex(path)
@@ -199,6 +205,13 @@ class ExpertStore:
                 raise ValueError(f"checkpoint layer {layer_ids[pos]}: expert shapes {layer_shapes} differ from "
                                  f"layer {layer_ids[0]}'s {shapes}: one slot pool needs one expert shape")
             store_dtype = store_dtype or layer_dtype
+            if expert_ids is not None:
+                ids = [int(e) for e in expert_ids[pos]]
+                bad = [e for e in ids if not 0 <= e < n]
+                if bad:
+                    raise ValueError(f"expert_ids[{pos}]: expert {bad[0]} outside [0, {n}) of checkpoint layer "
+                                     f"{layer_ids[pos]}")
+                recipe, n = (lambda j, r=recipe, ids=ids: r(ids[j])), len(ids)
             recipes.append(recipe)
             counts.append(n)
         if shapes is None:

@@ -6,7 +6,8 @@ A key is (layer, expert).
 
 File format (JSON lines, optionally .gz): the first line is the header
     {"moeflow_trace": 1, "num_layers": L, "num_experts": [E..], "top_k": [K..],
-     "pred_width": W, "expert_bytes": B, "meta": {...}}
+     "pred_width": W, "expert_bytes": B, "num_zero_experts": [Z..], "meta": {...}}
+(`num_zero_experts` is optional, default all 0: LongCat's zero experts, ids E..E+Z-1.)
 then one line per layer step, in execution order:
     {"p": pass, "l": layer, "ids": [[K ids] x T], "pred": [[W ids] x T] | null}
 `pred` of layer l holds the predicted ids of layer l + 1 (the next layer's router
@@ -21,21 +22,24 @@ load this step's experts -> prefetch the predicted ones), so its counts are the
 live cache's counts. "belady" evicts the key used furthest ahead and never
 prefetches: no policy, with or without prefetch, copies fewer experts.
 
-CLI (`moeflow trace ...` calls `main`):
-    moeflow trace replay PATH --slots 8 16 24 --policy lru random_oldest predictive belady --prefetch 0 2
-    moeflow trace stats PATH
-    moeflow trace record MODEL_DIR --out PATH [--text FILE] [--tokens N] [--width W]
+Validation: a Trace refuses, at construction and when loaded (naming the field, the
+line or step, and the value), what would otherwise replay into a wrong table: header
+lists whose length is not num_layers, negative sizes, expert ids outside [0, E + Z),
+rows of other than K distinct ids, predictions of the wrong width or range.
+`Trace.validate()` checks the steps of a trace built in code; `replay` calls it.
+
+The command line (`moeflow trace record | replay | stats | plot`) lives in
+`moeflow.cli_trace`; this module is the library.
 """
 
 from __future__ import annotations
 
-import argparse
 import gzip
 import json
 import math
 import os
 from collections import Counter
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -57,9 +61,37 @@ class Step:
     pred: list[list[int]] | None = None
 
 
+def _check_row(where: str, name: str, row: object, n: int, bound: int, what: str) -> None:
+    """A row of exactly n distinct int ids in [0, bound)."""
+    if not isinstance(row, list) or len(row) != n:
+        got = f"{len(row)} ids" if isinstance(row, list) else repr(row)
+        raise ValueError(f"{where}: {name}={row!r}: {got}, expected {what}={n} ids")
+    for e in row:
+        if not _is_int(e) or not 0 <= e < bound:
+            raise ValueError(f"{where}: {name}: expert id {e!r}, expected an int in [0, {bound})")
+    if len(set(row)) != n:
+        raise ValueError(f"{where}: {name}={row!r}: repeats an expert id (expected {n} distinct)")
+
+
+def _is_int(v: object) -> bool:
+    # JSON gives 1.5 or true for a corrupt id; only a real int is an id.
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _int_list(name: str, v: object, n: int, minimum: int) -> list[int]:
+    if not isinstance(v, (list, tuple)) or len(v) != n or not all(_is_int(x) and x >= minimum for x in v):
+        raise ValueError(f"Trace.{name}={v!r}: expected a list of num_layers={n} ints >= {minimum}")
+    return list(v)
+
+
 @dataclass
 class Trace:
-    """A routing trace (see module doc)."""
+    """A routing trace (see module doc). Header fields are validated at construction.
+
+    num_layers: L >= 1.  num_experts, top_k: L ints each (E >= 1, 1 <= K <= E + Z).
+    pred_width: W >= 0 ids per predicted row.  expert_bytes: bytes of one expert, >= 0.
+    num_zero_experts: L ints >= 0 (None: all 0).  steps: see `Step` and `validate`.
+    """
 
     num_layers: int
     num_experts: list[int]
@@ -68,52 +100,136 @@ class Trace:
     expert_bytes: int = 0
     meta: dict = field(default_factory=dict)
     steps: list[Step] = field(default_factory=list)
+    num_zero_experts: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        if not _is_int(self.num_layers) or self.num_layers < 1:
+            raise ValueError(f"Trace.num_layers={self.num_layers!r}: expected an int >= 1")
+        L = self.num_layers
+        self.num_experts = _int_list("num_experts", self.num_experts, L, 1)
+        self.num_zero_experts = _int_list("num_zero_experts", [0] * L if self.num_zero_experts is None
+                                          else self.num_zero_experts, L, 0)
+        self.top_k = _int_list("top_k", self.top_k, L, 1)
+        for layer, (k, e, z) in enumerate(zip(self.top_k, self.num_experts, self.num_zero_experts)):
+            if k > e + z:
+                raise ValueError(f"Trace.top_k[{layer}]={k}: exceeds the layer's {e} + {z} experts")
+        for name in ("pred_width", "expert_bytes"):
+            v = getattr(self, name)
+            if not _is_int(v) or v < 0:
+                raise ValueError(f"Trace.{name}={v!r}: expected an int >= 0")
+        if not isinstance(self.meta, dict):
+            raise ValueError(f"Trace.meta={self.meta!r}: expected a dict")
+
+    # ---- validation ----------------------------------------------------------------------
+    def check_step(self, step: Step, where: str) -> None:
+        """ValueError naming `where` (a file line or a step index), the field and its value."""
+        p, layer = step.pass_idx, step.layer
+        if not _is_int(p) or p < 0:
+            raise ValueError(f"{where}: pass {p!r}: expected an int >= 0")
+        if not _is_int(layer) or not 0 <= layer < self.num_layers:
+            raise ValueError(f"{where}: layer {layer!r} outside [0, {self.num_layers})")
+        K, S = self.top_k[layer], self.num_experts[layer] + self.num_zero_experts[layer]
+        if not isinstance(step.ids, list) or not step.ids:
+            raise ValueError(f"{where}: ids {step.ids!r}: expected a list of T >= 1 rows of K={K} ids")
+        for t, row in enumerate(step.ids):
+            _check_row(where, f"ids[{t}]", row, K, S, "K")
+        if step.pred is None:
+            return
+        if self.pred_width == 0:
+            raise ValueError(f"{where}: pred given, but the header's pred_width is 0")
+        if layer + 1 >= self.num_layers:
+            raise ValueError(f"{where}: pred given for the last layer {layer} (there is no layer {layer + 1})")
+        if not isinstance(step.pred, list) or len(step.pred) != len(step.ids):
+            n = len(step.pred) if isinstance(step.pred, list) else step.pred
+            raise ValueError(f"{where}: pred has {n!r} rows, expected one per ids row ({len(step.ids)})")
+        E_next = self.num_experts[layer + 1]  # zero experts hold no weights: never predicted
+        for t, row in enumerate(step.pred):
+            _check_row(where, f"pred[{t}]", row, self.pred_width, E_next, "pred_width")
+
+    def validate(self) -> Trace:
+        """Check every step (`check_step`) and that the steps of one pass agree on T; returns self."""
+        rows: dict[int, int] = {}
+        for i, s in enumerate(self.steps):
+            where = f"step {i}"
+            self.check_step(s, where)
+            T = rows.setdefault(s.pass_idx, len(s.ids))
+            if len(s.ids) != T:
+                raise ValueError(f"{where}: {len(s.ids)} token rows, but pass {s.pass_idx} has T={T}")
+        return self
 
     # ---- io ------------------------------------------------------------------------------
     def save(self, path: str | os.PathLike) -> None:
         path = os.fspath(path)
         opener = gzip.open if path.endswith(".gz") else open
+        head = {"moeflow_trace": TRACE_VERSION, "num_layers": self.num_layers, "num_experts": self.num_experts,
+                "top_k": self.top_k, "pred_width": self.pred_width, "expert_bytes": self.expert_bytes,
+                "meta": self.meta}
+        if any(self.num_zero_experts):
+            head["num_zero_experts"] = self.num_zero_experts
         with opener(path, "wt") as f:
-            f.write(json.dumps({"moeflow_trace": TRACE_VERSION, "num_layers": self.num_layers,
-                                "num_experts": self.num_experts, "top_k": self.top_k,
-                                "pred_width": self.pred_width, "expert_bytes": self.expert_bytes,
-                                "meta": self.meta}) + "\n")
+            f.write(json.dumps(head) + "\n")
             for s in self.steps:
                 f.write(json.dumps({"p": s.pass_idx, "l": s.layer, "ids": s.ids, "pred": s.pred},
                                    separators=(",", ":")) + "\n")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
+        """Read and validate a trace file; ValueError names the line, the field and the value."""
         path = os.fspath(path)
         if not os.path.exists(path):
             raise FileNotFoundError(f"trace {path!r} does not exist")
+        if os.path.isdir(path):
+            raise ValueError(f"trace {path!r} is a directory: expected a trace file (.jsonl or .jsonl.gz) "
+                             f"written by `moeflow trace record`")
         opener = gzip.open if path.endswith(".gz") else open
-        with opener(path, "rt") as f:
-            first = f.readline()
+        try:
+            with opener(path, "rt") as f:
+                return cls._read(path, f)
+        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
+            raise ValueError(f"{path}: not a text trace file ({exc})") from exc
+
+    @classmethod
+    def _read(cls, path: str, f) -> Trace:
+        first = f.readline()
+        try:
+            head = json.loads(first)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}: line 1 is not JSON ({exc}); expected a moeflow trace header") from exc
+        if not isinstance(head, dict) or head.get("moeflow_trace") != TRACE_VERSION:
+            raise ValueError(f"{path}: line 1 is not a moeflow trace header (version {TRACE_VERSION})")
+        for key in ("num_layers", "num_experts", "top_k"):
+            if key not in head:
+                raise ValueError(f"{path}:1: header lacks {key!r}")
+        try:
+            t = cls(num_layers=head["num_layers"], num_experts=head["num_experts"], top_k=head["top_k"],
+                    pred_width=head.get("pred_width", 0), expert_bytes=head.get("expert_bytes", 0),
+                    meta=head.get("meta", {}), num_zero_experts=head.get("num_zero_experts"))
+        except ValueError as exc:
+            raise ValueError(f"{path}:1: {exc}") from exc
+        rows: dict[int, int] = {}
+        for n, line in enumerate(f, start=2):
+            if not line.strip():
+                continue
+            where = f"{path}:{n}"
             try:
-                head = json.loads(first)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{path}: line 1 is not JSON ({exc}); expected a moeflow trace header") from exc
-            if not isinstance(head, dict) or head.get("moeflow_trace") != TRACE_VERSION:
-                raise ValueError(f"{path}: line 1 is not a moeflow trace header (version {TRACE_VERSION})")
-            t = cls(num_layers=int(head["num_layers"]), num_experts=list(head["num_experts"]),
-                    top_k=list(head["top_k"]), pred_width=int(head.get("pred_width", 0)),
-                    expert_bytes=int(head.get("expert_bytes", 0)), meta=dict(head.get("meta", {})))
-            for n, line in enumerate(f, start=2):
-                if not line.strip():
-                    continue
                 r = json.loads(line)
-                layer = int(r["l"])
-                if not 0 <= layer < t.num_layers:
-                    raise ValueError(f"{path}:{n}: layer {layer} outside [0, {t.num_layers})")
-                t.steps.append(Step(int(r["p"]), layer, r["ids"], r.get("pred")))
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"{where}: not JSON ({exc}); expected a step line") from exc
+            if not isinstance(r, dict) or any(k not in r for k in ("p", "l", "ids")):
+                raise ValueError(f"{where}: expected a step {{'p': pass, 'l': layer, 'ids': [...]}}, got {line[:80]!r}")
+            step = Step(r["p"], r["l"], r["ids"], r.get("pred"))
+            t.check_step(step, where)
+            T = rows.setdefault(step.pass_idx, len(step.ids))
+            if len(step.ids) != T:
+                raise ValueError(f"{where}: {len(step.ids)} token rows, but pass {step.pass_idx} has T={T}")
+            t.steps.append(step)
         return t
 
     # ---- views ---------------------------------------------------------------------------
     def as_decode(self) -> Trace:
         """The same routing with every pass split into single-token passes (token-major order)."""
         out = Trace(self.num_layers, list(self.num_experts), list(self.top_k), self.pred_width,
-                    self.expert_bytes, dict(self.meta))
+                    self.expert_bytes, dict(self.meta), num_zero_experts=list(self.num_zero_experts))
         passes: dict[int, list[Step]] = {}
         for s in self.steps:
             passes.setdefault(s.pass_idx, []).append(s)
@@ -174,7 +290,8 @@ class TraceRecorder:
             except ValueError:
                 expert_bytes = 0
         self.trace = Trace(len(self.layers), [m.config.num_experts for m in self.layers],
-                           [m.config.top_k for m in self.layers], self.width, expert_bytes, dict(meta or {}))
+                           [m.config.top_k for m in self.layers], self.width, expert_bytes, dict(meta or {}),
+                           num_zero_experts=[m.config.router.num_zero_experts for m in self.layers])
         self._pass = -1
         self._last_layer = len(self.layers)
         self._inputs: dict[int, torch.Tensor] = {}
@@ -213,10 +330,10 @@ class TraceRecorder:
             if self.width > 0 and pos + 1 < len(self.layers):
                 nxt = self.layers[pos + 1]
                 x_TH = self._inputs.pop(pos)
+                rw = nxt.router_weights
                 with torch.no_grad():
-                    p = self._predict(nxt.router_input(x_TH), nxt._tensor("router_weight"), nxt.config.router,
-                                      bias=nxt._tensor("selection_bias"), width=self.width,
-                                      router_bias_E=nxt._tensor("router_bias"))
+                    p = self._predict(nxt.router_input(x_TH), rw.weight_EH, nxt.config.router,
+                                      bias=rw.selection_bias_E, width=self.width, router_bias_E=rw.router_bias_E)
                 pred = p.cpu().tolist()
             self.trace.steps.append(Step(self._pass, pos, ids, pred))
 
@@ -224,10 +341,10 @@ class TraceRecorder:
 
 
 def find_moe_layers(model) -> list:
-    """The MoELayers of a patched model, in module (= layer) order."""
-    from ..layer import MoELayer
-
-    return [m for m in model.modules() if isinstance(m, MoELayer)]
+    """The MoELayers of a patched model, in module (= layer) order (modules with a router and a
+    dispatcher: this stage knows the layer by its interface, not by importing it)."""
+    return [m for m in model.modules()
+            if hasattr(m, "router_weights") and hasattr(m, "dispatcher") and hasattr(m, "last_routing")]
 
 
 def record_trace(model_or_layers, *, width: int | None = None, meta: dict | None = None) -> TraceRecorder:
@@ -293,6 +410,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
     prefetch the predicted missing ones. "predictive" protects `predict_width` (default:
     prefetch if > 0, else K) predictions. "belady" ignores prefetch.
     """
+    trace.validate()  # a corrupt step would replay into a plausible, wrong table
     if policy not in REPLAY_POLICIES:
         raise ValueError(f"policy={policy!r}: expected one of {REPLAY_POLICIES}")
     if not isinstance(slots, int) or slots < max(trace.top_k):
@@ -436,133 +554,3 @@ def trace_stats(trace: Trace) -> dict:
                             "top_quarter_share": sum(top) / total, "loads": loads}
     out["load_skew"] = skew
     return out
-
-
-# ---- CLI ------------------------------------------------------------------------------------
-
-
-def _format_table(rows: Iterable[ReplayResult]) -> str:
-    head = f"{'policy':<14}{'slots':>6}{'prefetch':>9}{'hit_rate':>9}{'miss/tok':>9}{'pf_prec':>8}{'pf_rec':>8}" \
-           f"{'MB_copied':>11}"
-    lines = [head, "-" * len(head)]
-    for r in rows:
-        lines.append(f"{r.policy:<14}{r.slots:>6}{r.prefetch:>9}{r.hit_rate:>9.3f}{r.misses_per_token:>9.3f}"
-                     f"{r.prefetch_precision:>8.3f}{r.prefetch_recall:>8.3f}{r.bytes_copied / 1e6:>11.2f}")
-    return "\n".join(lines)
-
-
-def _cmd_replay(args: argparse.Namespace) -> int:
-    trace = Trace.load(args.path)
-    if args.decode:
-        trace = trace.as_decode()
-    rows = []
-    for slots in args.slots:
-        for policy in args.policy:
-            for pf in args.prefetch:
-                if policy == "belady" and pf:
-                    continue
-                rows.append(replay(trace, slots, policy, pf, seed=args.seed))
-    print(_format_table(rows))
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([r.as_dict() for r in rows], f, indent=1)
-    return 0
-
-
-def _cmd_stats(args: argparse.Namespace) -> int:
-    trace = Trace.load(args.path)
-    print(json.dumps(trace_stats(trace), indent=1))
-    return 0
-
-
-def _cmd_record(args: argparse.Namespace) -> int:
-    from ..hf import patch_model
-
-    try:
-        from transformers import AutoModelForCausalLM
-    except ImportError as exc:  # pragma: no cover - transformers is a dependency
-        raise ValueError("trace record needs transformers") from exc
-    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32)
-    model.eval()
-    patch_model(model)
-    if args.text:
-        with open(args.text, "rb") as f:
-            data = f.read()
-    else:
-        data = args.prompt.encode()
-    ids = (torch.frombuffer(bytearray(data), dtype=torch.uint8).long() + 3)[: args.tokens]  # ByT5 byte ids
-    with torch.no_grad(), record_trace(model, width=args.width, meta={"model": args.model}) as rec:
-        for start in range(0, ids.numel(), args.ctx):
-            model(input_ids=ids[start : start + args.ctx].unsqueeze(0))
-    rec.trace.save(args.out)
-    print(f"wrote {args.out}: {len(rec.trace.steps)} layer steps, {ids.numel()} tokens")
-    return 0
-
-
-def _cmd_plot(args: argparse.Namespace) -> int:
-    from .. import plots
-
-    trace = Trace.load(args.path)
-    if args.decode:
-        trace = trace.as_decode()
-    out_dir = args.out
-    load_LE = []
-    toks = trace.tokens()
-    for layer in range(trace.num_layers):
-        c = Counter(e for tok in toks for e in tok.get(layer, []))
-        load_LE.append([c.get(e, 0) for e in range(trace.num_experts[layer])])
-    p1 = plots.plot_expert_load(load_LE, os.path.join(out_dir, "expert_load.png"),
-                                title=f"expert load ({len(toks)} tokens)")
-    series = {}
-    for policy in args.policy:
-        for pf in args.prefetch:
-            if policy == "belady" and pf:
-                continue
-            rates: list[float] = []
-            replay(trace, args.slots, policy, pf, per_pass=rates)
-            series[f"{policy}" + (f"+pf{pf}" if pf else "")] = rates
-    p2 = plots.plot_hit_rate(series, os.path.join(out_dir, "hit_rate.png"))
-    print(f"wrote {p1} and {p2}")
-    return 0
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """`moeflow trace {replay,stats,record,plot} ...`."""
-    p = argparse.ArgumentParser(prog="moeflow trace", description="routing traces: replay, stats, record")
-    sub = p.add_subparsers(dest="action", required=True)
-    r = sub.add_parser("replay", help="simulate cache sizes and policies on a trace")
-    r.add_argument("path")
-    r.add_argument("--slots", type=int, nargs="+", required=True)
-    r.add_argument("--policy", nargs="+", default=["lru"], choices=REPLAY_POLICIES)
-    r.add_argument("--prefetch", type=int, nargs="+", default=[0], help="prefetch widths (0: off)")
-    r.add_argument("--seed", type=int, default=0)
-    r.add_argument("--decode", action="store_true", help="split prefill passes into one pass per token")
-    r.add_argument("--json", default=None, help="also write the rows as JSON")
-    r.set_defaults(func=_cmd_replay)
-    s = sub.add_parser("stats", help="prediction recall, reuse between tokens, load skew")
-    s.add_argument("path")
-    s.set_defaults(func=_cmd_stats)
-    c = sub.add_parser("record", help="record a trace from a checkpoint (byte-level ByT5 ids) on a text")
-    c.add_argument("model")
-    c.add_argument("--out", required=True)
-    c.add_argument("--text", default=None, help="a file whose bytes are the input (default: --prompt)")
-    c.add_argument("--prompt", default="def main(argv=None):\n    ")
-    c.add_argument("--tokens", type=int, default=2048)
-    c.add_argument("--ctx", type=int, default=128)
-    c.add_argument("--width", type=int, default=None, help="prediction width to record (default 2K)")
-    c.set_defaults(func=_cmd_record)
-    pl = sub.add_parser("plot", help="PNG: expert load heatmap and cache hit rate over decode steps per policy")
-    pl.add_argument("path")
-    pl.add_argument("--slots", type=int, required=True)
-    pl.add_argument("--policy", nargs="+", default=["lru", "random_oldest", "predictive", "belady"],
-                    choices=REPLAY_POLICIES)
-    pl.add_argument("--prefetch", type=int, nargs="+", default=[0])
-    pl.add_argument("--decode", action="store_true", help="split prefill passes into one pass per token")
-    pl.add_argument("--out", default=".", help="directory for expert_load.png and hit_rate.png")
-    pl.set_defaults(func=_cmd_plot)
-    args = p.parse_args(list(argv) if argv is not None else None)
-    return int(args.func(args) or 0)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

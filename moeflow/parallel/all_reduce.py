@@ -19,9 +19,11 @@ the bit-exact one.
 elsewhere get a zero input, sort after the real rows and are masked out), so no count
 is read on the host. Otherwise the owned pairs are found with one `nonzero` (a sync).
 
-The input is NOT checked to be identical across ranks (that would cost a collective
-per call); a rank with different tokens gives a silently wrong sum. Use all_to_all
-when ranks hold different tokens.
+The mode needs every rank to hold the same tokens. `dispatch` checks it with one tiny
+collective (T and two float64 checksums of x per rank, all-gathered) and raises
+EPInputMismatch on every rank when they differ, instead of a silently wrong sum or a
+backend abort on mismatched shapes. `check_inputs=False` (or CUDA-graph capture, where
+nothing may read back) skips the check. Use all_to_all when ranks hold different tokens.
 """
 
 from __future__ import annotations
@@ -31,11 +33,12 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .dist_utils import collective, group_rank, group_size
+from ..types import PairBatch, RoutingResult
+from .dist_utils import EPInputMismatch, collective, group_device, group_rank, group_size
 from .local import combine_TH
 from .plan import EPPlan, Placement, ep_plan
 
-__all__ = ["ARHandle", "AllReduceEP"]
+__all__ = ["ARHandle", "AllReduceDispatcher", "AllReduceEP"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -62,10 +65,20 @@ class ARHandle:
     weights_TK: torch.Tensor
     rank: int
     world_size: int
+    weight_on_input: bool = False
 
     @property
     def num_tokens(self) -> int:
         return int(self.x_TH.shape[0])
+
+    static: bool = False
+
+    @property
+    def batch(self) -> PairBatch:
+        """The rows this rank computes (static: every pair, unowned ones marked invalid)."""
+        K = self.plan.top_k
+        return PairBatch(self.recv_x_NH, self.recv_expert_N, self.recv_valid_N if self.static else None,
+                         self.recv_weight_N, num_tokens=max(1, int(self.recv_x_NH.shape[0]) // max(1, K)))
 
     def bytes_moved(self, elem_size: int, reduce_elem_size: int = 4) -> int:
         """Bytes a ring all-reduce sends from this rank: 2 (W-1)/W of the [T, H] partial."""
@@ -73,8 +86,8 @@ class ARHandle:
         return 2 * (W - 1) * self.num_tokens * int(self.x_TH.shape[1]) * reduce_elem_size // max(W, 1)
 
 
-class AllReduceEP:
-    """Masked-local experts plus one all_reduce.
+class AllReduceDispatcher:
+    """Masked-local experts plus one all_reduce (the `Dispatcher` of `ep_mode="all_reduce"`).
 
     placement:    which rank owns each expert.
     group:        the EP process group.
@@ -83,7 +96,12 @@ class AllReduceEP:
     reduce_dtype: dtype of the partial sums on the wire (float32 keeps the f32 accumulation
                   of the single-process combine; bfloat16 halves the bytes).
     num_zero_experts: Z; when > 0 combine adds w * x for the zero-expert slots.
+    check_inputs: check once per call that every rank holds the same tokens (one tiny
+                  collective and a host read; skipped under CUDA-graph capture).
     """
+
+    name = "all_reduce"
+    fuses = False
 
     def __init__(
         self,
@@ -94,6 +112,7 @@ class AllReduceEP:
         static: bool = False,
         reduce_dtype: torch.dtype = torch.float32,
         num_zero_experts: int = 0,
+        check_inputs: bool = True,
     ) -> None:
         if not isinstance(placement, Placement):
             raise TypeError(f"placement: expected a Placement, got {type(placement).__name__}")
@@ -112,8 +131,68 @@ class AllReduceEP:
         self.reduce_dtype = reduce_dtype
         self.num_local = placement.num_local(self.rank)
         self.num_zero_experts = int(num_zero_experts)
+        if not isinstance(check_inputs, bool):
+            raise TypeError(f"check_inputs={check_inputs!r}: expected a bool")
+        self.check_inputs = check_inputs
 
-    def dispatch(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ARHandle:
+    # ------------------------------------------------------------------ the Dispatcher protocol
+
+    def dispatch(self, x_TH: torch.Tensor, routing: RoutingResult, spec, *, fused: bool = False) -> ARHandle:
+        """Check that the ranks hold the same tokens (unless check_inputs=False), pick this rank's pairs.
+
+        Collective: every rank calls it with the same x_TH [T, H].
+        Raises EPInputMismatch on every rank when T or the tokens differ across ranks.
+        """
+        if torch.is_grad_enabled() and x_TH.requires_grad:
+            raise NotImplementedError(
+                "expert parallelism is inference-only: its collectives carry no autograd; run under "
+                "torch.no_grad() or torch.inference_mode()"
+            )
+        if self.check_inputs and not _capturing():
+            self._check_same_tokens(x_TH)
+        h = self.dispatch_pairs(x_TH, routing.ids_TK, routing.weights_TK)
+        if spec.weight_on_input:
+            from dataclasses import replace
+
+            h = replace(h, weight_on_input=True)
+        return h
+
+    def combine(self, y_NH: torch.Tensor, handle: ARHandle) -> torch.Tensor:
+        """out_TH [T, H] (x's dtype): the routed output of all ranks (zero experts included)."""
+        return self.combine_pairs(y_NH, handle, weight_on_input=handle.weight_on_input)
+
+    def token_stats(self, h: ARHandle) -> dict[str, int]:
+        """Pair counts of a forward: every pair owned here is local; nothing travels (one host read)."""
+        zero = int(h.plan.is_zero_TK[: h.num_tokens].sum())
+        return {"local": int(h.recv_valid_N.sum()), "sent": 0, "received": 0, "zero": zero}
+
+    def _check_same_tokens(self, x_TH: torch.Tensor) -> None:
+        """All-gather (T, sum x, sum x * position) per rank; EPInputMismatch on every rank if they differ."""
+        dev = group_device(self.group)
+        xd = x_TH.detach().to(torch.float64)
+        T = int(x_TH.shape[0])
+        pos = torch.arange(1, xd.numel() + 1, dtype=torch.float64, device=xd.device).view_as(xd) if xd.numel() \
+            else xd
+        mine = torch.stack([torch.tensor(float(T), dtype=torch.float64, device=xd.device), xd.sum(),
+                            (xd * pos).sum()]).to(dev)
+        got = [torch.empty_like(mine) for _ in range(self.world_size)]
+        collective("all_gather(all_reduce input check)", dist.all_gather, got, mine, group=self.group,
+                   timeout_s=self.timeout_s)
+        rows = torch.stack(got).cpu().tolist()
+        if any(r != rows[0] for r in rows):
+            Ts = [int(r[0]) for r in rows]
+            what = f"T per rank = {Ts}" if len(set(Ts)) > 1 else "the same T but different tokens (checksums differ)"
+            raise EPInputMismatch(
+                f"ep_mode='all_reduce': every rank must hold the same tokens, got {what} "
+                f"(this is rank {self.rank}). Use ep_mode='all_to_all' when ranks hold different tokens."
+            )
+
+    def __repr__(self) -> str:
+        return f"AllReduceDispatcher(rank={self.rank}/{self.world_size}, static={self.static})"
+
+    # ------------------------------------------------------------------ pairs in, sums out
+
+    def dispatch_pairs(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ARHandle:
         """Pick this rank's pairs (no communication)."""
         if x_TH.dim() != 2 or ids_TK.dim() != 2 or ids_TK.shape[0] != x_TH.shape[0]:
             raise ValueError(f"x_TH {tuple(x_TH.shape)} / ids_TK {tuple(ids_TK.shape)}: expected [T, H] / [T, K]")
@@ -150,9 +229,10 @@ class AllReduceEP:
             weights_TK=weights_TK,
             rank=self.rank,
             world_size=self.world_size,
+            static=self.static,
         )
 
-    def combine(self, y_NH: torch.Tensor, handle: ARHandle, *, weight_on_input: bool = False) -> torch.Tensor:
+    def combine_pairs(self, y_NH: torch.Tensor, handle: ARHandle, *, weight_on_input: bool = False) -> torch.Tensor:
         """out_TH [T, H] (x's dtype): the routed output (zero experts included, shared not).
 
         y_NH: [N, H] unweighted outputs for `handle.recv_x_NH`'s rows (same order).
@@ -182,3 +262,11 @@ class AllReduceEP:
             w0_TK = torch.where(zero_TK, weights_TK.to(torch.float32), torch.zeros((), device=x_TH.device))
             out32 = out32 + w0_TK.sum(1, keepdim=True) * x_TH.to(torch.float32)
         return out32.to(x_TH.dtype)
+
+
+def _capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
+
+
+# The name the first landing exported.
+AllReduceEP = AllReduceDispatcher

@@ -34,16 +34,22 @@ combine adds w*x. The handles are frozen dataclasses; nothing here knows about e
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
 
+from ..types import PairBatch, RoutingResult
 from .dist_utils import collective, group_rank, group_size
+from .local import combine_TH
 from .plan import EPPlan, Placement, ep_plan
 
 __all__ = ["A2AHandle", "A2AStaticHandle", "AllToAllDispatcher"]
 
+
+def _tokens_of(x_NH: torch.Tensor, K: int) -> int:
+    """Tokens-equivalent of N rows (what the experts impl is tuned by)."""
+    return max(1, int(x_NH.shape[0]) // max(1, K))
 
 
 def _as_bytes(t_RC: torch.Tensor) -> torch.Tensor:
@@ -84,11 +90,22 @@ class A2AHandle:
     num_tokens: int
     hidden_size: int
     row_bytes: int
+    # Set by the protocol entry `dispatch` (what `combine` needs for the slot-order sum).
+    x_TH: torch.Tensor | None = None
+    weights_TK: torch.Tensor | None = None
+    weight_on_input: bool = False
+    has_zero_experts: bool = False
 
     @property
     def recv_valid_N(self) -> None:
         """Every received row is real in the dynamic mode (see A2AStaticHandle)."""
         return None
+
+    @property
+    def batch(self) -> PairBatch:
+        """The rows this rank's experts compute (local expert ids)."""
+        return PairBatch(self.recv_x_NH, self.recv_expert_N, None, self.recv_weight_N,
+                         num_tokens=_tokens_of(self.recv_x_NH, self.plan.top_k))
 
     def local_pairs(self) -> int:
         """Pairs this rank computes for its own tokens."""
@@ -139,6 +156,16 @@ class A2AStaticHandle:
     num_tokens: int
     static_tokens: int
     hidden_size: int
+    x_TH: torch.Tensor | None = None
+    weights_TK: torch.Tensor | None = None
+    weight_on_input: bool = False
+    has_zero_experts: bool = False
+
+    @property
+    def batch(self) -> PairBatch:
+        """Every candidate row (real ones first; junk rows have valid_N False)."""
+        return PairBatch(self.recv_x_NH, self.recv_expert_N, self.recv_valid_N, self.recv_weight_N,
+                         num_tokens=_tokens_of(self.recv_x_NH, self.plan.top_k))
 
     def bytes_moved(self, elem_size: int) -> int:
         """Bytes this rank sends to other ranks (fixed: the worst case)."""
@@ -198,7 +225,59 @@ class AllToAllDispatcher:
                 f"(the decode mode's fixed buffer)"
             )
 
-    def dispatch(
+    # ------------------------------------------------------------------ the Dispatcher protocol
+
+    name = "all_to_all"
+    fuses = False
+
+    def dispatch(self, x_TH: torch.Tensor, routing: RoutingResult, spec, *, fused: bool = False
+                 ) -> A2AHandle | A2AStaticHandle:
+        """The layer's entry: `dispatch_pairs`, plus what `combine` needs for the slot-order sum.
+
+        Collective (every rank of the group calls it; T may differ, even 0). Refuses
+        tensors that require grad: the collectives carry no autograd.
+        """
+        if torch.is_grad_enabled() and x_TH.requires_grad:
+            raise NotImplementedError(
+                "expert parallelism is inference-only: its collectives carry no autograd; run under "
+                "torch.no_grad() or torch.inference_mode()"
+            )
+        h = self.dispatch_pairs(x_TH, routing.ids_TK, routing.weights_TK)
+        return replace(h, x_TH=x_TH, weights_TK=routing.weights_TK, weight_on_input=spec.weight_on_input,
+                       has_zero_experts=spec.num_zero_experts > 0)
+
+    def combine(self, y_NH: torch.Tensor, handle: A2AHandle | A2AStaticHandle) -> torch.Tensor:
+        """out_TH [T, H] (x's dtype): the experts' rows brought home, summed in slot order (f32),
+        zero experts adding w * x: the single-process layer's combine, so the same bits."""
+        if handle.x_TH is None:
+            raise ValueError("handle: made by dispatch_pairs; the layer's combine needs dispatch(x, routing, spec)")
+        y_TKH = self.combine_pairs(y_NH, handle)
+        T = handle.num_tokens
+        zero_TK = handle.plan.is_zero_TK[:T] if handle.has_zero_experts else None
+        return combine_TH(y_TKH, handle.weights_TK, x_TH=handle.x_TH, zero_TK=zero_TK,
+                          weight_on_input=handle.weight_on_input, out_dtype=handle.x_TH.dtype)
+
+    def token_stats(self, h: A2AHandle | A2AStaticHandle) -> dict[str, int]:
+        """Pair counts of a forward: local (computed here for this rank's own tokens), sent (this
+        rank's pairs computed elsewhere), received (other ranks' pairs computed here), zero
+        (zero-expert pairs kept home). One host read."""
+        zero = int(h.plan.is_zero_TK[: h.num_tokens].sum())
+        if isinstance(h, A2AHandle):
+            return {"local": h.local_pairs(), "sent": h.remote_pairs_out(), "received": h.remote_pairs_in(),
+                    "zero": zero}
+        valid = h.recv_valid_N
+        local = int((valid & (h.recv_src_N == self.rank)).sum())
+        dest = h.plan.dest_rank_TK[: h.num_tokens]
+        return {"local": local, "sent": int(((dest >= 0) & (dest != self.rank)).sum()),
+                "received": int(valid.sum()) - local, "zero": zero}
+
+    def __repr__(self) -> str:
+        return (f"AllToAllDispatcher(rank={self.rank}/{self.world_size}, static_tokens={self.static_tokens}, "
+                f"timeout_s={self.timeout_s})")
+
+    # ------------------------------------------------------------------ pairs in, pairs out
+
+    def dispatch_pairs(
         self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor
     ) -> A2AHandle | A2AStaticHandle:
         """Send each routed pair's token row to its expert's rank.
@@ -213,7 +292,7 @@ class AllToAllDispatcher:
             return self._dispatch_dynamic(x_TH, ids_TK, weights_TK)
         return self._dispatch_static(x_TH, ids_TK, weights_TK)
 
-    def combine(self, y_NH: torch.Tensor, handle: A2AHandle | A2AStaticHandle) -> torch.Tensor:
+    def combine_pairs(self, y_NH: torch.Tensor, handle: A2AHandle | A2AStaticHandle) -> torch.Tensor:
         """Bring the experts' rows home: y_TKH [T, K, H] on the source rank (y's dtype).
 
         y_NH: [N_recv, H] outputs for `handle.recv_x_NH`'s rows, same order (unweighted).

@@ -29,6 +29,10 @@ import torch.distributed as dist
 __all__ = [
     "EPCollectiveError",
     "EPConfigMismatch",
+    "EPGroupBroken",
+    "EPInputMismatch",
+    "check_timeout",
+    "mark_broken",
     "collective",
     "group_device",
     "group_rank",
@@ -58,6 +62,45 @@ class EPCollectiveError(RuntimeError):
 
 class EPConfigMismatch(ValueError):
     """Ranks of one EP group were set up with different layer configs."""
+
+
+class EPGroupBroken(EPCollectiveError):
+    """A collective of this group failed earlier: the group is out of step and refuses every call.
+
+    After a timeout the peers may still hold (or later issue) the collectives this rank gave
+    up on, so a later call would pair with a stale one (wrong data, or an abort inside the
+    backend). The way out is a new process group (and new layers built on it).
+    """
+
+
+class EPInputMismatch(ValueError):
+    """The ranks of an all_reduce EP group were given different tokens (the mode needs the same)."""
+
+
+# id(group) -> the first failure's message. Keyed by id: ProcessGroup objects live as long as
+# the program uses them, and a new group (the way out) gets a new id.
+_BROKEN: dict[int, str] = {}
+
+
+def _group_key(group: object) -> int:
+    return id(group)
+
+
+def mark_broken(group: object, why: str) -> None:
+    """Record that `group` failed; every later `collective` on it raises EPGroupBroken."""
+    _BROKEN.setdefault(_group_key(group), why)
+
+
+def check_timeout(timeout_s: object, name: str = "timeout_s") -> float | None:
+    """timeout_s as a float, or None; ValueError naming the value unless a finite number of seconds > 0."""
+    if timeout_s is None:
+        return None
+    import math
+
+    if isinstance(timeout_s, bool) or not isinstance(timeout_s, (int, float)) or not math.isfinite(timeout_s) \
+            or not timeout_s > 0:
+        raise ValueError(f"{name}={timeout_s!r}: expected None or a finite number of seconds > 0")
+    return float(timeout_s)
 
 
 def dtype_code(dtype: torch.dtype | None) -> int:
@@ -123,11 +166,19 @@ def collective(
     Any failure (timeout, a peer's connection closed) raises EPCollectiveError naming
     `name`, this rank and the timeout.
     """
+    broken = _BROKEN.get(_group_key(group))
+    if broken is not None:
+        raise EPGroupBroken(
+            f"expert-parallel collective {name!r} refused: this process group failed earlier ({broken}); "
+            f"its ranks are out of step. Create a new process group (and shard the layers on it) to go on."
+        )
     t0 = time.monotonic()
     try:
         work = fn(*args, group=group, async_op=True, **kwargs)
     except Exception as exc:  # a peer already gone shows up here on some backends
-        raise _error(name, group, timeout_s, t0, exc) from exc
+        err = _error(name, group, timeout_s, t0, exc)
+        mark_broken(group, f"{name!r}: {type(exc).__name__}")
+        raise err from exc
     if not wait:
         return _Pending(name, work, group, timeout_s, t0)
     _Pending(name, work, group, timeout_s, t0).wait()
@@ -152,9 +203,12 @@ class _Pending:
                 if ok is False:
                     raise TimeoutError("work.wait returned False")
         except EPCollectiveError:
+            mark_broken(self.group, f"{self.name!r} failed")
             raise
         except Exception as exc:
-            raise _error(self.name, self.group, self.timeout_s, self.t0, exc) from exc
+            err = _error(self.name, self.group, self.timeout_s, self.t0, exc)
+            mark_broken(self.group, f"{self.name!r}: {type(exc).__name__} after {time.monotonic() - self.t0:.1f}s")
+            raise err from exc
 
 
 def _error(name: str, group, timeout_s: float | None, t0: float, exc: BaseException) -> EPCollectiveError:

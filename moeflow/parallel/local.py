@@ -20,7 +20,12 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LocalDispatch", "local_dispatch", "dispatch_rows", "unpermute_TKH", "combine_TH"]
+from ..types import PairBatch, RoutingResult, TokenBatch
+
+__all__ = [
+    "LocalDispatch", "local_dispatch", "dispatch_rows", "unpermute_TKH", "combine_TH", "LocalDispatcher",
+    "LocalHandle", "LOCAL",
+]
 
 
 @dataclass(frozen=True, eq=False)
@@ -189,3 +194,70 @@ def combine_TH(
         else:
             acc_TH = acc_TH + w_T1 * y_TH
     return acc_TH.to(out_dtype)
+
+
+# ----------------------------------------------------------------------------- the dispatcher
+
+
+@dataclass(frozen=True, eq=False)
+class LocalHandle:
+    """What `LocalDispatcher.dispatch` hands out.
+
+    batch:      PairBatch (rows grouped by expert) or TokenBatch (the fused form).
+    dispatch:   the LocalDispatch permutation (None in the fused form).
+    x_TH, weights_TK: the layer input and combine weights (zero experts add w * x).
+    weight_on_input: llama4 (the experts saw w * x; routed slots combine with weight 1).
+    """
+
+    batch: PairBatch | TokenBatch
+    dispatch: LocalDispatch | None
+    x_TH: torch.Tensor
+    weights_TK: torch.Tensor
+    weight_on_input: bool
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.x_TH.shape[0])
+
+
+class LocalDispatcher:
+    """One device: permute the (token, slot) pairs by expert and back (no communication).
+
+    Stateless: one instance serves every layer (`LOCAL`).
+    """
+
+    name = "local"
+    fuses = True
+
+    def dispatch(self, x_TH: torch.Tensor, routing: RoutingResult, spec, *, fused: bool = False) -> LocalHandle:
+        """Group the pairs of `routing` by expert (or, `fused` and no zero experts, hand out the
+        tokens for an impl that dispatches itself). No host sync unless the layer has zero experts."""
+        ids_TK, weights_TK = routing.ids_TK, routing.weights_TK
+        if fused and spec.num_zero_experts == 0:
+            return LocalHandle(TokenBatch(x_TH, ids_TK, weights_TK), None, x_TH, weights_TK, spec.weight_on_input)
+        d = local_dispatch(ids_TK, spec.num_experts, num_zero_experts=spec.num_zero_experts)
+        w_N = None
+        if spec.weight_on_input:
+            w_N = weights_TK.reshape(-1).index_select(0, d.order_N).to(torch.float32)
+        batch = PairBatch(dispatch_rows(x_TH, d), d.expert_N, None, w_N, num_tokens=int(x_TH.shape[0]))
+        return LocalHandle(batch, d, x_TH, weights_TK, spec.weight_on_input)
+
+    def combine(self, y: torch.Tensor, handle: LocalHandle) -> torch.Tensor:
+        """out_TH [T, H] (x's dtype): y itself in the fused form, else unpermute + slot-order sum."""
+        if handle.dispatch is None:
+            return y
+        d = handle.dispatch
+        return combine_TH(unpermute_TKH(y, d), handle.weights_TK, x_TH=handle.x_TH, zero_TK=d.zero_TK,
+                          weight_on_input=handle.weight_on_input, out_dtype=handle.x_TH.dtype)
+
+    def token_stats(self, handle: LocalHandle) -> dict[str, int]:
+        """Pair counts of a forward (one host read): every routed pair is local here."""
+        T, K = handle.num_tokens, int(handle.weights_TK.shape[1])
+        zero = 0 if handle.dispatch is None or handle.dispatch.zero_TK is None else int(handle.dispatch.zero_TK.sum())
+        return {"local": T * K - zero, "sent": 0, "received": 0, "zero": zero}
+
+    def __repr__(self) -> str:
+        return "LocalDispatcher()"
+
+
+LOCAL = LocalDispatcher()

@@ -1,177 +1,20 @@
-"""Model families: Hugging Face config -> RouterSpec. The only module that knows model names.
+"""Model families for routing: a Hugging Face config -> RouterSpec, read from the one family table.
 
-Each family is one small function reading the HF config's own fields; the
-contract each encodes is in shared/spec/routing.md and was checked against the
-HF module of the pinned transformers (tests/test_routing_hf.py).
+The rules live in `moeflow.routing.rules`; which model type uses which rule is one
+record each in `moeflow.families` (the only module that knows model names).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import Any
 
+from ..families import ROUTER_MODEL_TYPES, family_for
+from .rules import text_config
 from .spec import RouterSpec
 
+__all__ = ["SUPPORTED_FAMILIES", "family_of", "router_spec_from_hf", "text_config"]
 
-def _get(config: Any, name: str, default: Any = None) -> Any:
-    value = getattr(config, name, default)
-    return default if value is None else value
-
-
-def _req(config: Any, name: str) -> int:
-    """A required integer field of the HF config, or a ValueError naming it."""
-    value = getattr(config, name, None)
-    if value is None or isinstance(value, bool) or not isinstance(value, int):
-        raise ValueError(
-            f"config.{name}={value!r}: expected an int (model_type={getattr(config, 'model_type', None)!r})"
-        )
-    return value
-
-
-def text_config(config: Any) -> Any:
-    """The config holding the MoE fields: multimodal wrappers (llama4, gemma4, kimi_k25) keep them in text_config."""
-    get_text = getattr(config, "get_text_config", None)
-    if callable(get_text):
-        text = get_text()
-        if text is not None:
-            return text
-    return getattr(config, "text_config", None) or config
-
-
-def _softmax_family(config: Any, layer_idx: int, *, experts_field: str, always_renorm: bool = False) -> RouterSpec:
-    return RouterSpec(
-        score_fn="softmax",
-        num_experts=_req(config, experts_field),
-        top_k=_req(config, "num_experts_per_tok"),
-        renorm=True if always_renorm else bool(_get(config, "norm_topk_prob", False)),
-    )
-
-
-def _mixtral(config: Any, layer_idx: int) -> RouterSpec:
-    return _softmax_family(config, layer_idx, experts_field="num_local_experts", always_renorm=True)
-
-
-def _qwen_olmoe(config: Any, layer_idx: int) -> RouterSpec:
-    return _softmax_family(config, layer_idx, experts_field="num_experts")
-
-
-def _deepseek_v3(config: Any, layer_idx: int) -> RouterSpec:
-    """DeepSeek-V3 / Kimi-K2 / GLM-4-MoE / dots1: sigmoid, bias, group-limited (top-2 sum)."""
-    return RouterSpec(
-        score_fn="sigmoid",
-        num_experts=_req(config, "n_routed_experts"),
-        top_k=_req(config, "num_experts_per_tok"),
-        renorm=bool(_get(config, "norm_topk_prob", False)),
-        renorm_eps=1e-20,
-        scaling_factor=float(_get(config, "routed_scaling_factor", 1.0)),
-        n_group=int(_get(config, "n_group", 1)),
-        topk_group=int(_get(config, "topk_group", 1)),
-        group_score="top2_sum",
-        use_bias=True,
-    )
-
-
-def _deepseek_v2(config: Any, layer_idx: int) -> RouterSpec:
-    """Softmax; greedy or group_limited_greedy (group score = max). HF never renorms."""
-    method = _get(config, "topk_method", "greedy")
-    if method not in ("greedy", "group_limited_greedy"):
-        raise ValueError(
-            f"config.topk_method={method!r}: deepseek_v2 supports 'greedy' and 'group_limited_greedy'"
-        )
-    grouped = method == "group_limited_greedy"
-    return RouterSpec(
-        score_fn="softmax",
-        num_experts=_req(config, "n_routed_experts"),
-        top_k=_req(config, "num_experts_per_tok"),
-        scaling_factor=float(_get(config, "routed_scaling_factor", 1.0)),
-        n_group=_req(config, "n_group") if grouped else 1,
-        topk_group=_req(config, "topk_group") if grouped else 1,
-        group_score="max",
-    )
-
-
-def _deepseek_v4(config: Any, layer_idx: int) -> RouterSpec:
-    """sqrt(softplus) scores, bias on the key, plain top-k; hash layers use tid2eid."""
-    score = _get(config, "scoring_func", "sqrtsoftplus")
-    if score not in ("sqrtsoftplus", "sigmoid", "softmax"):
-        raise ValueError(f"config.scoring_func={score!r}: expected sqrtsoftplus, sigmoid or softmax")
-    layer_types = list(_get(config, "mlp_layer_types", []))
-    is_hash = layer_idx < len(layer_types) and layer_types[layer_idx] == "hash_moe"
-    return RouterSpec(
-        score_fn=score,
-        num_experts=_req(config, "n_routed_experts"),
-        top_k=_req(config, "num_experts_per_tok"),
-        # HF's DeepseekV4 routers always renormalise (sum + 1e-20).
-        renorm=True,
-        renorm_eps=1e-20,
-        scaling_factor=float(_get(config, "routed_scaling_factor", 1.0)),
-        use_bias=not is_hash,
-        hash_routing=is_hash,
-    )
-
-
-def _gpt_oss(config: Any, layer_idx: int) -> RouterSpec:
-    return RouterSpec(
-        score_fn="topk_softmax", num_experts=_req(config, "num_local_experts"), top_k=_req(config, "num_experts_per_tok")
-    )
-
-
-def _llama4(config: Any, layer_idx: int) -> RouterSpec:
-    config = text_config(config)
-    return RouterSpec(
-        score_fn="topk_sigmoid",
-        num_experts=_req(config, "num_local_experts"),
-        top_k=_req(config, "num_experts_per_tok"),
-        weight_on_input=True,
-    )
-
-
-def _longcat_flash(config: Any, layer_idx: int) -> RouterSpec:
-    """Softmax over E + Z, bias on the key, x routed_scaling_factor, no renorm."""
-    return RouterSpec(
-        score_fn="softmax",
-        num_experts=_req(config, "n_routed_experts"),
-        num_zero_experts=int(_get(config, "zero_expert_num", 0)),
-        top_k=_req(config, "num_experts_per_tok"),
-        scaling_factor=float(_get(config, "routed_scaling_factor", 1.0)),
-        use_bias=True,
-    )
-
-
-def _gemma4(config: Any, layer_idx: int) -> RouterSpec:
-    config = text_config(config)
-    if not _get(config, "enable_moe_block", False):
-        raise ValueError("config.enable_moe_block=False: this gemma4 model has no MoE block")
-    return RouterSpec(
-        score_fn="softmax",
-        num_experts=_req(config, "num_experts"),
-        top_k=_req(config, "top_k_experts"),
-        renorm=True,
-        expert_scale=True,
-        router_prenorm=True,
-    )
-
-
-_FAMILIES: dict[str, Callable[[Any, int], RouterSpec]] = {
-    "mixtral": _mixtral,
-    "qwen2_moe": _qwen_olmoe,
-    "qwen3_moe": _qwen_olmoe,
-    "olmoe": _qwen_olmoe,
-    "deepseek_v2": _deepseek_v2,
-    "deepseek_v3": _deepseek_v3,
-    "kimi_k2": _deepseek_v3,
-    "glm4_moe": _deepseek_v3,
-    "dots1": _deepseek_v3,
-    "deepseek_v4": _deepseek_v4,
-    "gpt_oss": _gpt_oss,
-    "llama4": _llama4,
-    "llama4_text": _llama4,
-    "longcat_flash": _longcat_flash,
-    "gemma4": _gemma4,
-    "gemma4_text": _gemma4,
-}
-
-SUPPORTED_FAMILIES: tuple[str, ...] = tuple(sorted(_FAMILIES))
+SUPPORTED_FAMILIES: tuple[str, ...] = ROUTER_MODEL_TYPES
 
 
 def family_of(config: Any) -> str:
@@ -182,7 +25,7 @@ def family_of(config: Any) -> str:
         if text is config:
             raise ValueError("config.text_config=None: a kimi_k25 config wraps its MoE text model in text_config")
         return family_of(text)
-    if model_type not in _FAMILIES:
+    if model_type not in SUPPORTED_FAMILIES:
         raise ValueError(
             f"config.model_type={model_type!r} is not a supported MoE family; supported: {', '.join(SUPPORTED_FAMILIES)}"
         )
@@ -204,4 +47,4 @@ def router_spec_from_hf(config: Any, layer_idx: int = 0) -> RouterSpec:
         # Past the last layer a per-layer rule (DeepSeek-V4's hash layers) would silently
         # fall back to its default.
         raise ValueError(f"layer_idx={layer_idx}: expected < config.num_hidden_layers={n_layers} ({family})")
-    return _FAMILIES[family](config, layer_idx)
+    return family_for(family).router(config, layer_idx)

@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ..types import RoutingResult
-from .select import validate_route_inputs
 from .spec import RouterSpec
+from .validate import validate_route_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_SLOTS = 4096  # a row's logits live in registers of one program

@@ -15,9 +15,9 @@ import torch
 from .grouped import group_mask_TS
 from .logits import router_logits
 from .scores import scores_TS, selection_key_TS
-from .select import validate_route_inputs
 from .spec import RouterSpec
 from .topk import stable_topk_indices
+from .validate import validate_route_inputs
 
 
 def predict_next_ids(

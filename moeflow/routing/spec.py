@@ -6,6 +6,7 @@ module that maps model names onto it is `moeflow.routing.families`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, fields
 from typing import Literal
 
@@ -14,6 +15,8 @@ GroupScore = Literal["top2_sum", "max"]
 
 SCORE_FNS: tuple[str, ...] = ("softmax", "sigmoid", "sqrtsoftplus", "topk_softmax", "topk_sigmoid")
 GROUP_SCORES: tuple[str, ...] = ("top2_sum", "max")
+BOOL_FIELDS: tuple[str, ...] = ("renorm", "use_bias", "hash_routing", "router_prenorm", "expert_scale",
+                                "weight_on_input")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -30,8 +33,10 @@ class RouterSpec:
     num_experts:      E, routed experts with weights (zero experts not counted).
     top_k:            K.
     renorm:           divide the picked weights by their sum (+ renorm_eps).
-    renorm_eps:       added to the sum before dividing (1e-20 for DeepSeek, 0 elsewhere).
-    scaling_factor:   multiplies the final weights (routed_scaling_factor / route_scale).
+    renorm_eps:       added to the sum before dividing (1e-20 for DeepSeek, 0 elsewhere);
+                      a finite float >= 0.
+    scaling_factor:   multiplies the final weights (routed_scaling_factor / route_scale);
+                      a finite float > 0.
     n_group, topk_group, group_score: group-limited selection; n_group=1 disables it.
     use_bias:         the selection key adds a per-expert bias (e_score_correction_bias);
                       the weights never include it.
@@ -44,6 +49,10 @@ class RouterSpec:
     expert_scale:     weights are multiplied by a per-expert scale vector (gemma4).
     weight_on_input:  the weight multiplies the expert's input instead of its output (llama4).
     renorm_before_scale: order is fixed: renorm, then per-expert scale, then scaling_factor.
+
+    Every field is checked at construction: a str "2", None, NaN or inf in a float
+    field, or a non-bool flag, raises here rather than as NaN weights later. Int values
+    of the float fields are stored as float.
     """
 
     score_fn: ScoreFn
@@ -71,7 +80,15 @@ class RouterSpec:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"RouterSpec.{name}={v!r}: expected an int >= 1")
-        if not isinstance(self.num_zero_experts, int) or self.num_zero_experts < 0:
+        for name in BOOL_FIELDS:
+            v = getattr(self, name)
+            if not isinstance(v, bool):
+                # A truthy str or None would silently pick a rule: only True/False name one.
+                raise TypeError(f"RouterSpec.{name}={v!r}: expected a bool")
+        self._check_float("renorm_eps", minimum=0.0, strict=False)
+        self._check_float("scaling_factor", minimum=0.0, strict=True)
+        if (not isinstance(self.num_zero_experts, int) or isinstance(self.num_zero_experts, bool)
+                or self.num_zero_experts < 0):
             raise ValueError(f"RouterSpec.num_zero_experts={self.num_zero_experts!r}: expected an int >= 0")
         if self.top_k > self.num_slots:
             raise ValueError(
@@ -100,6 +117,17 @@ class RouterSpec:
                 )
         if self.score_fn in ("topk_softmax", "topk_sigmoid") and (self.use_bias or self.n_group > 1):
             raise ValueError(f"RouterSpec.score_fn={self.score_fn!r} selects on logits: no bias or groups")
+
+    def _check_float(self, name: str, *, minimum: float, strict: bool) -> None:
+        """A finite real > minimum (strict) or >= minimum; stored as float."""
+        v = getattr(self, name)
+        bound = f"> {minimum:g}" if strict else f">= {minimum:g}"
+        if isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise TypeError(f"RouterSpec.{name}={v!r}: expected a finite float {bound}, got {type(v).__name__}")
+        if not math.isfinite(v) or (v <= minimum if strict else v < minimum):
+            raise ValueError(f"RouterSpec.{name}={v!r}: expected a finite float {bound}")
+        # frozen dataclass: the one sanctioned way to normalise a field in __post_init__
+        object.__setattr__(self, name, float(v))
 
     @property
     def num_slots(self) -> int:

@@ -21,13 +21,14 @@ Legend: T tokens, H hidden, E experts, K picks per token, W ranks.
 
 from __future__ import annotations
 
+import copy
 import datetime
 import os
 
 import torch
 import torch.distributed as dist
 
-from .dist_utils import leave_process_group
+from .parallel.dist_utils import leave_process_group
 
 __all__ = ["run_ep_demo"]
 
@@ -61,7 +62,7 @@ def run_ep_demo(
         )
     if expected_world is not None and expected_world != world:
         raise ValueError(f"moeflow demo --ep {expected_world}: torchrun started {world} ranks (--nproc-per-node)")
-    from ..demo import DEMO_CONFIG
+    from .demo import DEMO_CONFIG
 
     E = int(DEMO_CONFIG["num_local_experts"])
     if E % world:
@@ -84,8 +85,8 @@ def _demo(rank, world, group, device, mode, tokens, timeout_s, prompt_len) -> in
     import moeflow
     from moeflow import hf as mhf
 
-    from ..demo import DEMO_CONFIG, build_tiny_mixtral
-    from .ep import EPMoELayer, shard_layer
+    from .demo import DEMO_CONFIG, build_tiny_mixtral
+    from .parallel.ep import shard_layer
 
     try:
         from transformers.utils import logging as hf_logging
@@ -106,9 +107,11 @@ def _demo(rank, world, group, device, mode, tokens, timeout_s, prompt_len) -> in
 
     with torch.no_grad():
         want = generate()
+    # The single-process reference for the layer check below (patched before the model is sharded).
+    single = copy.deepcopy(model)
+    moeflow.patch_model(single, experts="reference")
     moeflow.patch_model(model, experts="reference", ep_group=group, ep_mode=mode)
-    ep_layers = [m for m in model.modules() if isinstance(getattr(m, "moe_runner", None), EPMoELayer)]
-    runners = [m.moe_runner for m in ep_layers]
+    runners = mhf.moe_layers(model)
     totals = {"local": 0, "sent": 0, "received": 0, "zero": 0}
 
     def count(module, args, out):
@@ -122,7 +125,7 @@ def _demo(rank, world, group, device, mode, tokens, timeout_s, prompt_len) -> in
         h.remove()
 
     # One layer against the single-process MoELayer: each rank's tokens, all ranks' concatenated.
-    layer = mhf.moe_layers(model)[0]
+    layer = mhf.moe_layers(single)[0]
     H = layer.config.hidden_size
     T_r = [3 + r for r in range(world)] if mode == "all_to_all" else [5] * world
     xs = [torch.randn(T_r[r], H, generator=torch.Generator().manual_seed(200 + r)).to(device) for r in range(world)]
@@ -138,7 +141,7 @@ def _demo(rank, world, group, device, mode, tokens, timeout_s, prompt_len) -> in
     max_abs = float((out - ref).abs().max()) if out.numel() else 0.0
     layer_ok = bitwise if mode == "all_to_all" else max_abs <= 1e-5 * max(1.0, float(ref.abs().max()))
 
-    row = dict(rank=rank, experts=list(ep.local_ids), tokens_ok=got == want, layer_bitwise=bitwise,
+    row = dict(rank=rank, experts=list(ep.dispatcher.local_ids), tokens_ok=got == want, layer_bitwise=bitwise,
                layer_max_abs=max_abs, layer_ok=layer_ok, **totals)
     rows: list[dict] = [None] * world  # type: ignore[list-item]
     dist.all_gather_object(rows, row, group=group)

@@ -1,0 +1,42 @@
+"""transformers integration: run every MoE block of a Hugging Face model through moeflow.
+
+    model = AutoModelForCausalLM.from_pretrained(path)
+    report = moeflow.patch_model(model)          # experts="auto" | "reference" | "grouped" | "triton"
+    print(report)
+
+Modules, one concern each:
+    patch      patch_model / unpatch_model / moe_layers / PatchReport: find the blocks,
+               build their MoELayers (EP and offload as stages), swap the block classes.
+    blocks     the MoEBlock kinds a patched block gets (HF return signatures kept).
+    interface  transformers' experts interface ("moeflow" experts under HF's routing).
+    util       attribute paths, the families with an HF block description.
+
+`import moeflow.hf` registers "moeflow" in transformers' experts interface (an explicit
+call of `register_experts_interface()`, a no-op where transformers has no interface).
+"""
+
+from __future__ import annotations
+
+from .blocks import MoEBlock
+from .interface import moeflow_experts_forward, register_experts_interface
+from .patch import PatchedBlock, PatchReport, moe_layers, patch_model, unpatch_model
+from .util import available_hf_families, hf_families
+
+__all__ = [
+    "HF_FAMILIES",
+    "MoEBlock",
+    "PatchReport",
+    "PatchedBlock",
+    "available_hf_families",
+    "hf_families",
+    "moe_layers",
+    "moeflow_experts_forward",
+    "patch_model",
+    "register_experts_interface",
+    "unpatch_model",
+]
+
+# The family records with an HF block description (moeflow.families holds the table).
+HF_FAMILIES = hf_families()
+
+register_experts_interface()
