@@ -40,7 +40,10 @@ Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok
                                   moe_glue = inside the block but outside the three parts; rest =
                                   attention, norms, embedding (per layer = total / L). A part whose range
                                   never opened, or a trace where > 2% of kernel time has no launch,
-                                  is "n/a". On CPU the parts are the ranges' inclusive CPU wall times.
+                                  is "n/a" (a kernel without a launch event is attributed by name only
+                                  if it is one of moeflow's: _router_logits / _reduce_splits / _route ->
+                                  router, moe_align / moe_gate_up / moe_down / moe_combine -> experts).
+                                  On CPU the parts are the ranges' inclusive CPU wall times.
     syncs_per_prefill, syncs_per_decode_token
                                   host-blocking CUDA runtime calls in the profiler's CPU events inside
                                   the measured call: cuda/cuStream|Device|Ctx|EventSynchronize plus
@@ -107,6 +110,10 @@ PARTS = ("router", "experts", "shared", "moe_glue", "rest")
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cuStreamSynchronize",
               "cuCtxSynchronize", "cuEventSynchronize")
 BLOCKING_D2H = ("cudaMemcpy", "cuMemcpyDtoH", "cuMemcpyDtoH_v2", "cuMemcpy")
+# Fallback for kernels whose launch event is missing (e.g. a driver-API launch the profiler did not record):
+# moeflow's own Triton kernels by name (moeflow/kernels/*.py).
+NAME_PARTS = (("router", re.compile(r"_router_logits_kernel|_reduce_splits_kernel|_route_kernel")),
+              ("experts", re.compile(r"moe_align|moe_gate_up_kernel|moe_down_kernel|moe_combine_kernel")))
 UNMATCHED_MAX = 0.02  # fraction of kernel time without a launch event beyond which a split is n/a
 
 # Rough costs (s) of one point over all variants before any has been measured; replaced by measurements.
@@ -289,6 +296,8 @@ def instrument(model):
         else:
             hook(router, R_ROUTER)
             hook(experts, R_EXPERTS)
+            if callable(getattr(block, "route_tokens_to_experts", None)):  # selection on the block (older HF)
+                wrap(block, "route_tokens_to_experts", R_ROUTER)
     head = model.get_output_embeddings()
     if head is not None:
         hook(head, R_HEAD)
@@ -383,21 +392,27 @@ def split_from_trace(events: list[dict], n_layers: int, *, cuda: bool) -> dict:
         launches = {e["args"]["correlation"]: e for e in _complete(events, ("cuda_runtime", "cuda_driver"))
                     if "correlation" in e.get("args", {})}
         kernels = _complete(events, ("kernel", "gpu_memcpy", "gpu_memset"))
-        unmatched = busy = 0.0
+        unmatched = by_name = busy = 0.0
         for k in kernels:
             dur = k.get("dur", 0) / 1e3
             busy += dur
+            name = str(k.get("name", ""))
             launch = launches.get(k.get("args", {}).get("correlation"))
-            if launch is None:
-                unmatched += dur
-                continue
-            r = _innermost(ranges, launch["ts"])
-            part = RANGE_PART.get(r["name"], "rest") if r is not None else "rest"
+            if launch is not None:
+                r = _innermost(ranges, launch["ts"])
+                part = RANGE_PART.get(r["name"], "rest") if r is not None else "rest"
+            else:
+                part = next((p for p, pat in NAME_PARTS if pat.search(name)), None)
+                if part is None:
+                    unmatched += dur
+                    continue
+                by_name += dur
             totals[part] += dur
-            top[part][str(k.get("name", ""))[:90]] += dur
+            top[part][name[:90]] += dur
         span = ((max(k["ts"] + k.get("dur", 0) for k in kernels) - min(k["ts"] for k in kernels)) / 1e3
                 if kernels else 0.0)
-        out.update(busy_ms=busy, span_ms=span, unmatched_ms=unmatched, kernels=len(kernels))
+        out.update(busy_ms=busy, span_ms=span, unmatched_ms=unmatched, attributed_by_name_ms=by_name,
+                   kernels=len(kernels))
         if not kernels or unmatched > UNMATCHED_MAX * busy:
             out["na"] = (f"{unmatched:.3f} of {busy:.3f} ms of kernel time has no launch event"
                          if kernels else "no kernels in the trace")
@@ -446,14 +461,15 @@ class Run:
         if self.device.type == "cuda":
             torch.cuda.synchronize()
 
-    def fits(self, kind: str, tier: int, shapes_after: int) -> str | None:
-        """None if the point may start, else why not."""
-        est = self.cost.get(kind, DEFAULT_COST[kind])
+    def fits(self, kind: str, tier: int, shapes_after: int, tier1_now: float | None = None) -> str | None:
+        """None if the point may start, else why not (tier1_now: this shape's tier-1 cost so far)."""
+        est = self.cost.get(kind, DEFAULT_COST[kind] * (0.05 if self.args.tiny else 1.0))
         left = self.args.time_budget_s - self.elapsed()
         if est > left:
             return f"estimated {est:.0f}s > {left:.0f}s left of the {self.args.time_budget_s:.0f}s budget"
         if tier > 1 and shapes_after:
-            per = (sum(self.tier1_costs) / len(self.tier1_costs)) if self.tier1_costs else DEFAULT_TIER1_PER_SHAPE
+            seen = self.tier1_costs + ([tier1_now] if tier1_now else [])
+            per = (sum(seen) / len(seen)) if seen else DEFAULT_TIER1_PER_SHAPE * (0.05 if self.args.tiny else 1.0)
             reserve = per * shapes_after
             if est + reserve > left:
                 return (f"estimated {est:.0f}s + {reserve:.0f}s reserved for tier 1 of {shapes_after} more "
@@ -469,8 +485,11 @@ class Run:
         self.rows.append(row)
 
     def save(self) -> None:
+        """JSON and markdown, rewritten after every point (a killed run keeps what it measured)."""
         self.meta["elapsed_s"] = round(self.elapsed(), 1)
         write_json(self.args.out, self.rows, self.meta)
+        Path(self.args.md).parent.mkdir(parents=True, exist_ok=True)
+        Path(self.args.md).write_text(markdown(self))
 
 
 def _err(e: BaseException) -> str:
@@ -512,6 +531,14 @@ class Shape:
         self.run.add(**self.base(variant, "prefill_ms", T=T, value=t * 1e3, unit="ms"))
 
     def _gen_config(self, n: int, graphs: bool):
+        """One GenerationConfig per (n, graphs), reused so a compiled call is never re-wrapped."""
+        cache = self.__dict__.setdefault("_gen_configs", {})
+        if (n, graphs) not in cache:
+            cache[(n, graphs)] = self._new_gen_config(n, graphs)
+        return cache[(n, graphs)]
+
+    @staticmethod
+    def _new_gen_config(n: int, graphs: bool):
         from transformers import GenerationConfig
 
         kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, bos_token_id=1,
@@ -551,8 +578,10 @@ class Shape:
         if new.shape[1] != N:
             raise RuntimeError(f"generate produced {new.shape[1]} new tokens, expected {N}")
         if graphs:
-            self.run.add(**self.base(variant, "graph_compile_s", batch=B, value=compile_s, unit="s",
-                                     note="first generate call: compile + capture + one run"))
+            compiled = hasattr(self.model, "_compiled_call")
+            self.run.add(**self.base(variant, "graph_compile_s", batch=B, value=compile_s, unit="s", compiled=compiled,
+                                     note="first generate call: compile + capture + one run" if compiled else
+                                     "transformers did not compile (it compiles on CUDA only): static cache, eager"))
             eager = self.tokens.get((variant, B))
             self.run.add(**self.base(variant, "graph_tokens_equal_eager", batch=B,
                                      value=None if eager is None else float((eager == new).float().mean()),
@@ -602,7 +631,8 @@ class Shape:
             events = profile_events(fn, self.run.device, R_FORWARD)
         cuda = self.run.device.type == "cuda"
         split = split_from_trace(events, self.layers, cuda=cuda)
-        detail = {k: split[k] for k in ("basis", "ranges_opened", "top_kernels", "total_ms")}
+        detail = {k: split[k] for k in ("basis", "ranges_opened", "top_kernels", "total_ms", "unmatched_ms",
+                                        "attributed_by_name_ms", "kernels") if k in split}
         for part in PARTS:
             why = split.get("na") or split["na_parts"].get(part)
             self.run.add(**self.base(variant, "layer_ms", T=T, part=part, unit="ms/layer",
@@ -711,9 +741,9 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
     run.cost["build"] = time.time() - t_start
     tier1 = run.cost["build"]
     for tier, kind, params in plan_points(args):
-        why = run.fits(kind, tier, shapes_after)
+        why = run.fits(kind, tier, shapes_after, tier1_now=tier1)
         if why:
-            run.meta["skipped"].append({"shape": name, "point": kind, **params, "tier": tier, "reason": why})
+            run.meta["skipped"].append({"shape": name, "point": kind, **_named(params), "tier": tier, "reason": why})
             if run.meta["stopped"] is None:
                 run.meta["stopped"] = f"{name} {kind} {params}: {why}"
             print(f"[{run.elapsed():6.1f}s] {name} {kind} {params}: skipped ({why})", flush=True)
@@ -730,7 +760,7 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
                 metric = {"prefill": "prefill_tok_s", "decode": "decode_tok_s", "graphs": "graph_decode_tok_s",
                           "accuracy": "logits_rel_l2", "profile": "layer_ms",
                           "decode_syncs": "syncs_per_decode_token"}[kind]
-                run.add(**shape.base(variant, metric, **params, value=None, status=_err(e),
+                run.add(**shape.base(variant, metric, **_named(params), value=None, status=_err(e),
                                      traceback=traceback.format_exc()[-1500:]))
                 if kind == "accuracy":
                     shape.logits.pop(variant, None)
@@ -739,11 +769,15 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
                     remove_variant(shape.model)
                 except Exception as e:  # a model left patched would poison every later point
                     run.add(**shape.base(variant, "unpatch", value=None, status=_err(e)))
-                if device.type == "cuda":
-                    torch.cuda.synchronize()
-                    torch.cuda.empty_cache()
+                try:
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                        torch.cuda.empty_cache()
+                except Exception as e:  # e.g. a kernel fault: the context is gone, later points will say so
+                    run.add(**shape.base(variant, "cuda_sync_after_point", value=None, status=_err(e)))
+            new = run.rows[n_rows:]
             print(f"[{run.elapsed():6.1f}s] {name} {kind} {params} {variant}: "
-                  + "; ".join(_short(r) for r in run.rows[n_rows:]), flush=True)
+                  + ("; ".join(_short(r) for r in new) if new else "done (rows come later)"), flush=True)
         dt = time.time() - t_point
         run.cost[kind] = dt
         if tier == 1:
@@ -765,20 +799,28 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
         print(f"[{run.elapsed():6.1f}s] {name} accuracy: "
               + "; ".join(_short(r) for r in run.rows if r["shape"] == name and r["metric"] in
                           ("logits_rel_l2", "top1_agree")), flush=True)
-    if device.type == "cuda":
-        smeta["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
-        torch.cuda.reset_peak_memory_stats()
     shape.model = None
     del model, shape
-    _free(device)
+    try:
+        if device.type == "cuda":
+            smeta["max_memory_allocated_gib"] = round(torch.cuda.max_memory_allocated() / GIB, 2)
+            torch.cuda.reset_peak_memory_stats()
+        _free(device)
+    except Exception as e:
+        smeta["cleanup_error"] = _err(e)
     run.save()
 
 
-def _short(r: dict) -> str:
+def _named(params: dict) -> dict:
+    """Point parameters under their row names (B -> batch)."""
+    return {("batch" if k == "B" else k): v for k, v in params.items()}
+
+
+def _short(r: dict, *, shape: bool = False) -> str:
     key = "".join(f" {k}={r[k]}" for k in ("T", "batch", "part") if k in r)
     v = r.get("value")
     val = f"{v:.4g}" if isinstance(v, float) else str(v)
-    return f"{r['variant']} {r['metric']}{key} = {val}" + ("" if r["status"] == "ok" else f" [{r['status'][:120]}]")
+    return (f"{r['shape']} " if shape else "") + f"{r['variant']} {r['metric']}{key} = {val}" + ("" if r["status"] == "ok" else f" [{r['status'][:120]}]")
 
 
 # --------------------------------------------------------------------------- reports
@@ -849,7 +891,9 @@ def markdown(run: Run) -> str:
             lines.append(f"| {name} | {sm.get('layers', '')} | {v} | {sm.get('variant_impl', {}).get(v, '')} | "
                          + " | ".join(cells) + " |")
     lines += ["", f"Accuracy against the fp32 copy (batch 1, T = {a.accuracy_T}, all logits), host syncs, and the "
-              "per-layer split of one prefill forward (ms/layer, CUDA kernel time by range; n/a where no range):", "",
+              f"per-layer split of one prefill forward at T = {plan_points(a)[0][2]['T']} (ms/layer, "
+              + ("CUDA kernel time by launch range" if run.device.type == "cuda" else "CPU wall time of the ranges")
+              + "; empty where n/a):", "",
               "| shape | variant | logits rel-L2 | top-1 agree | syncs / decode token | syncs / prefill | "
               "router | experts | shared | glue | rest |", "|" + "---|" * 11]
     summ, _ = summary_rows(run)
@@ -860,9 +904,13 @@ def markdown(run: Run) -> str:
         lines.append(f"| {s['shape']} | {s['variant']} | {f(s['rel_l2'])} | {f(s['top1'], 4)} | {f(s['sync/tok'])} | "
                      f"{f(s['sync/pf'])} | {f(s['router'])} | {f(s['experts'])} | {f(s['shared'])} | "
                      f"{f(s['glue'])} | {f(s['rest'])} |")
-    errors = [r for r in run.rows if str(r.get("status", "")).startswith(("error", "reference"))]
+    errors: dict[tuple[str, str], list[str]] = {}
+    for r in run.rows:
+        if str(r.get("status", "")).startswith(("error", "reference")):
+            errors.setdefault((r["variant"], r["status"][:200]), []).append(f"{r['shape']} {r['metric']}")
     if errors:
-        lines += ["", "Failed points:"] + [f"- {_short(r)}" for r in errors[:20]]
+        lines += ["", "Failed points:"] + [f"- {v}: {st} ({len(where)}: {', '.join(dict.fromkeys(where))[:200]})"
+                                           for (v, st), where in errors.items()]
     return "\n".join(lines) + "\n"
 
 
@@ -905,7 +953,7 @@ def parse_args(argv=None):
         ap.error("--cpu runs only the tiny configs: add --tiny (the real shapes are tens of GiB)")
     tiny = args.tiny
     args.layers = args.layers or (2 if tiny else 8)
-    args.repeats = args.repeats or (2 if args.cpu else 3 if args.quick else 10)
+    args.repeats = args.repeats or (3 if args.quick or args.cpu else 10)
     args.decode_batches_list = _ints(args.decode_batches or ("1,4" if tiny else "1,16,64"))
     args.prefill_T_list = _ints(args.prefill_T or ("16,64" if tiny else "2048,8192" if args.quick else "512,2048,8192"))
     args.new_tokens = args.new_tokens or (4 if tiny else 16 if args.quick else 32)
@@ -927,6 +975,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.cpu:
         device, dtype = torch.device("cpu"), torch.float32
+        torch.set_num_threads(1)  # tiny models: one thread is faster and steadier on a busy machine
     else:
         if not torch.cuda.is_available():
             print("bench_e2e: needs CUDA (or --cpu --tiny for a CPU check of the script)", file=sys.stderr)
@@ -949,12 +998,15 @@ def main(argv=None) -> int:
     try:
         with torch.no_grad():
             for i, name in enumerate(args.shapes_list):
-                run_shape(run, name, shapes_after=len(args.shapes_list) - i - 1)
-                Path(args.md).write_text(markdown(run))
+                try:
+                    run_shape(run, name, shapes_after=len(args.shapes_list) - i - 1)
+                except Exception as e:  # anything run_shape did not catch itself: record, go to the next shape
+                    run.add(shape=name, variant="-", metric="shape", value=None, status=_err(e),
+                            traceback=traceback.format_exc()[-2000:])
+                    print(f"[{run.elapsed():6.1f}s] {name}: {_err(e)}", flush=True)
+                    _free(device)
     finally:
         run.save()
-        Path(args.md).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.md).write_text(markdown(run))
     summ, cols = summary_rows(run)
     print()
     print(format_table(summ, cols))

@@ -91,10 +91,14 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         ) from exc
     dirs = ["."] + [rest[i + 1] for i, a in enumerate(rest[:-1]) if a in ("--out", "--out-dir")]
     before = _json_mtimes(dirs)
+    argv0 = sys.argv[0]
+    sys.argv[0] = f"moeflow bench {args.which}"  # the script's argparse names itself after argv[0]
     try:
         rc = int(module.main(list(rest)) or 0)
     except ModuleNotFoundError as exc:  # an optional package a mode of the script imports late (triton)
         raise _missing_package(args.which, exc) from exc
+    finally:
+        sys.argv[0] = argv0
     if args.plot:
         for path in sorted(p for p, t in _json_mtimes(dirs).items() if before.get(p) != t):
             print(f"plot: {_plot_bench_json(path)}")
@@ -211,7 +215,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, *_USER_ERRORS) as exc:
         if debug:
             raise
-        hint = getattr(exc, "hint", "") or _hint_for(exc)
+        hint = getattr(exc, "hint", "") or _hint_for(exc, command)
         print(f"moeflow {command}: error: {_one_line(exc)}", file=sys.stderr)
         print(f"  hint: {_one_line(hint)}", file=sys.stderr)
         return 2
@@ -223,8 +227,10 @@ def _one_line(exc: BaseException | str) -> str:
     return " ".join(text.split())
 
 
-def _hint_for(exc: BaseException) -> str:
+def _hint_for(exc: BaseException, command: str) -> str:
     text = str(exc)
+    if text.startswith("--"):  # the message names one of the command's options
+        return f"see `moeflow {command} --help` for what each option takes"
     if "config.json" in text or "safetensors" in text or "pytorch_model.bin" in text:
         return "point PATH at a Hugging Face checkpoint directory (it holds config.json and *.safetensors)"
     if "not a supported MoE family" in text:

@@ -102,7 +102,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
     from transformers import AutoModelForCausalLM
 
     from .hf import patch_model
-    from .inspect import checkpoint_info, encode_prompt
+    from .inspect import check_context, checkpoint_info, encode_prompt, load_config
     from .offload.trace import record_trace
 
     _positive("--tokens", args.tokens)
@@ -110,7 +110,7 @@ def _cmd_record(args: argparse.Namespace) -> int:
     if args.width is not None:
         _positive("--width", args.width)
     root = Path(args.model)
-    checkpoint_info(root)  # config.json, family, weights, expert counts: refused before loading anything
+    info = checkpoint_info(root)  # config.json, family, weights, expert counts: refused before loading anything
     if args.text is not None:
         data, source = Path(args.text).read_bytes(), {"text_file": args.text}
     elif args.prompt is not None:
@@ -118,19 +118,18 @@ def _cmd_record(args: argparse.Namespace) -> int:
     else:
         data, files = default_text(args.tokens * 4)  # >= 1 byte per token for any tokenizer
         source = {"text": "moeflow package sources", "files": files}
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
-    model.eval()
-    text_cfg = model.config.get_text_config()
-    context = getattr(text_cfg, "max_position_embeddings", None)
-    if context is not None and args.ctx > context:
-        raise ValueError(f"--ctx={args.ctx}: exceeds the model's context (max_position_embeddings={context})")
+    text_cfg = load_config(root).get_text_config()
+    # each forward pass is one sequence of <= ctx tokens
+    check_context(text_cfg, args.ctx, "--ctx", hint="pass a --ctx within the model's context")
     ids = encode_prompt(root, data, text_cfg.vocab_size)[0]
     if ids.numel() == 0:
         raise ValueError("the text to record is empty: expected at least one token (--prompt / --text)")
     n_text = ids.numel()
     ids = ids[: args.tokens]
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
+    model.eval()
     patch_model(model)
-    meta = {"model": str(root), "ctx": args.ctx, **source}
+    meta = {"model": str(root), "family": info.family, "ctx": args.ctx, **source}
     with torch.no_grad(), record_trace(model, width=args.width, meta=meta) as rec:
         for start in range(0, ids.numel(), args.ctx):
             model(input_ids=ids[start : start + args.ctx].unsqueeze(0))

@@ -91,7 +91,7 @@ class CheckpointInfo:
         return None if self.slots is None else self.other_bytes + self.slots * self.expert_bytes
 
 
-def _load_config(path: Path):
+def load_config(path: Path):
     """The checkpoint's transformers config; ValueError naming config.json and the fault."""
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory (expected a checkpoint dir with config.json)")
@@ -112,24 +112,33 @@ def _load_config(path: Path):
         raise ValueError(f"{cfg_file}: transformers cannot read it ({type(exc).__name__}: {exc})") from exc
 
 
-def _stored_experts(root: Path, names: dict[str, dict]) -> int | None:
-    """Routed experts stored for one layer: per-expert keys `experts.{e}.` or fused [E, ...] tensors.
+def _stored_experts(root: Path, layer: int, names: dict[str, dict]) -> tuple[set[int], int]:
+    """(expert counts the layer's routed tensors store, bytes of one expert) from header entries.
 
-    ValueError when the layer's tensors disagree among themselves (expert ids with gaps,
-    fused tensors of different first dimensions).
+    Per-expert keys `experts.{e}.` count their distinct ids (which must be 0..n-1) and give
+    expert 0's bytes; a fused [E, ...] tensor counts its first dimension and gives 1/E of itself.
     """
-    ids = {int(m.group(1)) for n in names if (m := _EXPERT_ID_RE.search(n))}
-    fused = {n: e["shape"][0] for n, e in names.items() if not _EXPERT_ID_RE.search(n) and e["shape"]}
-    counts = set(fused.values())
+    ids: set[int] = set()
+    per_expert_bytes = 0
+    counts: set[int] = set()
+    fused_share = 0
+    for n, e in names.items():
+        m = _EXPERT_ID_RE.search(n)
+        if m:
+            ids.add(int(m.group(1)))
+            if m.group(1) == "0":  # expert 0 is always a routed one (LongCat's zero-expert rows come last)
+                per_expert_bytes += _tensor_bytes(e)
+        elif e["shape"]:
+            counts.add(int(e["shape"][0]))
+            fused_share += _tensor_bytes(e) // max(1, int(e["shape"][0]))
     if ids:
         if ids != set(range(max(ids) + 1)):
             missing = sorted(set(range(max(ids) + 1)) - ids)
-            raise ValueError(f"{root}: experts {missing[:8]} missing among stored experts 0..{max(ids)}")
-        counts.add(max(ids) + 1)
-    if len(counts) > 1:
-        raise ValueError(f"{root}: routed expert tensors of one layer disagree on E: {sorted(counts)} "
-                         f"(fused: {dict(list(fused.items())[:4])})")
-    return counts.pop() if counts else None
+            raise ValueError(f"{root}: layer {layer}: experts {missing[:8]} missing among stored experts "
+                             f"0..{max(ids)}")
+        counts.add(len(ids))
+        fused_share += per_expert_bytes
+    return counts, fused_share
 
 
 def checkpoint_info(path: str | Path, *, slots: int | None = None) -> CheckpointInfo:
@@ -137,7 +146,7 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
     from .routing.families import family_of, router_spec_from_hf
 
     root = Path(path)
-    config = _load_config(root)
+    config = load_config(root)
     family = family_of(config)
     files = sorted(root.glob("*.safetensors"))
     if not files:
@@ -159,15 +168,20 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
         raise ValueError(f"{root}: no routed expert tensors ('.experts.' in the name) found")
     spec = router_spec_from_hf(config, moe_layers[0])
     E, K = spec.num_experts, spec.top_k
+    expert_bytes = 0
     for layer in moe_layers:
-        # Every size below divides by E: a config that disagrees with the tensors would print
-        # plausible, wrong numbers.
-        stored = _stored_experts(root, routed_names[layer])
-        want = router_spec_from_hf(config, layer).num_experts
-        if stored is not None and stored != want:
-            raise ValueError(f"{root}: config.json says E={want} routed experts, but layer {layer}'s tensors "
-                             f"store {stored}")
-    expert_bytes = routed_by_layer[moe_layers[0]] // E
+        # The sizes below come from the stored expert count: a config that disagrees with the
+        # tensors would print plausible, wrong numbers.
+        stored, one_expert = _stored_experts(root, layer, routed_names[layer])
+        s = router_spec_from_hf(config, layer)
+        # transformers' LongCat also stores (unused) rows for its Z zero experts in some tensors
+        bad = sorted(stored - {s.num_experts, s.num_slots})
+        if bad:
+            z = f" (+ {s.num_zero_experts} zero experts)" if s.num_zero_experts else ""
+            raise ValueError(f"{root}: config.json says E={s.num_experts} routed experts{z}, but layer {layer}'s "
+                             f"expert tensors store {bad[0]}")
+        if layer == moe_layers[0]:
+            expert_bytes = one_expert
     routed = sum(routed_by_layer.values())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     if slots is not None and (not isinstance(slots, int) or slots < K):
@@ -277,20 +291,16 @@ def route_prompt(path: str | Path, prompt: str, *, max_tokens: int | None = None
     # Headers only: config.json, the family, weights present and matching the config, before
     # transformers loads (or silently re-initialises) anything.
     checkpoint_info(root)
-    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
-    model.eval()
-    text_cfg = model.config.get_text_config()
+    text_cfg = load_config(root).get_text_config()
     ids = encode_prompt(root, prompt, text_cfg.vocab_size)
     n_prompt = ids.shape[1]
     if n_prompt == 0:
         raise ValueError(f"--prompt={prompt!r}: the tokenizer gives 0 tokens, expected at least one")
     if max_tokens is not None:
         ids = ids[:, :max_tokens]
-    context = getattr(text_cfg, "max_position_embeddings", None)
-    if context is not None and ids.shape[1] > context:
-        raise PromptTooLongError(
-            f"--prompt: {ids.shape[1]} tokens exceed the model's context of {context} "
-            f"(max_position_embeddings in config.json)", n_tokens=ids.shape[1], context=context)
+    check_context(text_cfg, ids.shape[1], "--prompt")
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
+    model.eval()
     patch_model(model)
     with torch.no_grad():
         model(input_ids=ids)
@@ -311,10 +321,23 @@ def route_prompt(path: str | Path, prompt: str, *, max_tokens: int | None = None
     return "\n".join(lines)
 
 
-class PromptTooLongError(ValueError):
-    """A prompt longer than the model's context; `hint` says how to route part of it."""
+def check_context(text_config, n_tokens: int, name: str, hint: str | None = None) -> None:
+    """PromptTooLongError when n_tokens exceed the model's context (max_position_embeddings), if it has one.
 
-    def __init__(self, message: str, *, n_tokens: int, context: int) -> None:
+    A position past the context is no error in torch (RoPE extrapolates): the routing
+    shown would be of positions the model never saw, so the CLI refuses instead.
+    """
+    context = getattr(text_config, "max_position_embeddings", None)
+    if context is not None and n_tokens > context:
+        raise PromptTooLongError(
+            f"{name}: {n_tokens} tokens exceed the model's context of {context} (max_position_embeddings "
+            f"in config.json)",
+            hint or f"shorten the prompt, or pass --max-tokens {context} to route its first {context} tokens")
+
+
+class PromptTooLongError(ValueError):
+    """More tokens than the model's context; `hint` says what to do instead."""
+
+    def __init__(self, message: str, hint: str) -> None:
         super().__init__(message)
-        self.n_tokens, self.context = n_tokens, context
-        self.hint = f"shorten the prompt, or pass --max-tokens {context} to route its first {context} tokens"
+        self.hint = hint

@@ -31,6 +31,7 @@ from torch import nn
 
 from .config import ExpertWeights, MoEConfig
 from .experts.select import select_experts_impl
+from .experts.shared import SharedExpertRunner, swiglu_parts
 from .experts.source import ResidentExperts, run_impl
 from .parallel.local import LOCAL
 from .refs import TensorRefs
@@ -175,7 +176,9 @@ class MoELayer(TensorRefs):
         impl_name: name of the experts implementation the latest forward ran (before
             the first forward: the one chosen for a single token on the weights' device).
         check_routing: "eager" checks the GPU routing status after each eager step (one
-            host sync); "never" leaves it to the caller (`last_routing.check()`).
+            host sync); "deferred" adds it to `routing_monitor` (checked once per model
+            forward without a sync, see moeflow.routing.monitor; what patch_model sets);
+            "never" leaves it to the caller (`last_routing.check()`).
     """
 
     def __init__(
@@ -198,6 +201,7 @@ class MoELayer(TensorRefs):
     ) -> None:
         super().__init__()
         self.check_routing = "eager"
+        self.routing_monitor = None  # a moeflow.routing.monitor.RoutingMonitor with check_routing="deferred"
         if not isinstance(config, MoEConfig):
             raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
         if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or layer_idx < 0:
@@ -254,10 +258,17 @@ class MoELayer(TensorRefs):
         # the first forward.
         device = getattr(source, "device", None) or torch.device("cpu")
         if isinstance(experts_impl, str):
-            self.impl_name: str = select_experts_impl(config, device, 1, experts_impl,
-                                                      quant=getattr(source, "quant", None)).name
+            impl0 = select_experts_impl(config, device, 1, experts_impl, quant=getattr(source, "quant", None))
         else:
-            self.impl_name = str(getattr(experts_impl, "name", type(experts_impl).__name__))
+            impl0 = experts_impl
+        self.impl_name: str = str(getattr(impl0, "name", type(impl0).__name__))
+        # A batch-invariant experts impl runs the SwiGLU shared expert too (else cuBLAS would
+        # make the block's rows depend on the batch): moeflow.experts.shared.
+        self.shared_runner: SharedExpertRunner | None = None
+        if (shared_expert is not None and getattr(impl0, "batch_invariant", False)
+                and config.activation in ("silu", "swiglu_clamp") and swiglu_parts(shared_expert) is not None):
+            self.shared_runner = SharedExpertRunner(shared_expert, impl0, activation=config.activation,
+                                                    swiglu_limit=config.swiglu_limit)
 
     @staticmethod
     def _as_source(experts, config: MoEConfig):
@@ -362,12 +373,16 @@ class MoELayer(TensorRefs):
         result = run_router(self.router_weights, self.config.router, x_TH, input_ids=input_ids,
                             layer=self.layer_idx)
         # The GPU selection reports NaN logits / bad hash ids through a device status,
-        # not a sync. Eager steps check it here (one sync, so a NaN is never a silent
-        # pick); under CUDA-graph capture, or with check_routing="never", the caller
-        # owns the check (`self.last_routing.check()`).
-        check = getattr(result, "check", None)
-        if check is not None and self.check_routing == "eager" and not torch.cuda.is_current_stream_capturing():
-            check()
+        # not a sync. "eager" checks it here (one sync per layer, so a NaN is never a
+        # silent pick); "deferred" hands it to the model's RoutingMonitor (one flag per
+        # model forward, read without a sync; patch_model's default); under CUDA-graph
+        # capture, or with "never", the caller owns the check (`self.last_routing.check()`).
+        status = getattr(result, "status", None)
+        if status is not None:
+            if self.check_routing == "deferred" and self.routing_monitor is not None:
+                self.routing_monitor.add(status)  # checked once per model forward, no sync here
+            elif self.check_routing == "eager" and not torch.cuda.is_current_stream_capturing():
+                result.check()
         return result
 
     def experts_forward(self, x_TH: torch.Tensor, routing: RoutingResult) -> torch.Tensor:
@@ -389,6 +404,8 @@ class MoELayer(TensorRefs):
         """The shared expert's output [T, H] (qwen2_moe: gated), or None without one."""
         if self.shared_expert is None:
             return None
+        if self.shared_runner is not None:
+            return self.shared_runner(x_TH, self.ref("shared_gate_weight"))
         shared_TH = self.shared_expert(x_TH)
         gate_w = self.ref("shared_gate_weight")
         if gate_w is not None:

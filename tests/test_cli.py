@@ -1,5 +1,7 @@
 """The `moeflow` command: each subcommand on a tiny checkpoint, and user errors as one line + exit 2."""
 
+import importlib.util
+import json
 import subprocess
 import sys
 
@@ -140,3 +142,179 @@ def test_bench_routing_cpu_writes_json_and_plot(tmp_path, monkeypatch, capsys):
     pngs = list(out.glob("*.png"))
     assert pngs and pngs[0].stat().st_size > 5000
     assert "plot:" in capsys.readouterr().out
+
+
+# ---- user errors: exit 2, exactly "moeflow CMD: error: ..." and "  hint: ...", no traceback ------
+
+
+def _assert_user_error(capsys, argv, *needles):
+    """main(argv) exits 2 with one error line and one hint line on stderr (the documented format)."""
+    rc = main(argv)
+    err = capsys.readouterr().err
+    lines = err.splitlines()
+    assert rc == 2, err
+    assert "Traceback" not in err
+    assert len(lines) == 2, err
+    assert lines[0].startswith(f"moeflow {argv[0]}") and ": error: " in lines[0], err
+    assert lines[1].startswith("  hint: ") and len(lines[1]) > len("  hint: "), err
+    for n in needles:
+        assert n in lines[0], err
+    return lines
+
+
+def _bad_config_dir(tmp_path):
+    d = tmp_path / "bad"
+    d.mkdir()
+    (d / "config.json").write_text('{"model_type": "mixtral", ')
+    return str(d)
+
+
+def _no_weights_dir(tmp_path):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    d = tmp_path / "noweights"
+    d.mkdir()
+    (d / "config.json").write_text((EMBEDDED_MODEL / "config.json").read_text())
+    return str(d)
+
+
+def test_route_refuses_an_empty_prompt_and_zero_tokens(capsys):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    _assert_user_error(capsys, ["route", str(EMBEDDED_MODEL), "--prompt", ""], "--prompt=''")
+    _assert_user_error(capsys, ["route", str(EMBEDDED_MODEL), "--prompt", "x", "--max-tokens", "0"], "--max-tokens=0")
+
+
+@pytest.mark.parametrize("command", ["info", "route", "trace record"])
+@pytest.mark.parametrize("make, needle", [(_bad_config_dir, "config.json: not valid JSON"),
+                                          (_no_weights_dir, "no *.safetensors files")])
+def test_malformed_or_weightless_checkpoints_are_user_errors(tmp_path, capsys, command, make, needle):
+    path = make(tmp_path)
+    extra = {"info": [], "route": ["--prompt", "hi"], "trace record": ["--out", str(tmp_path / "t.jsonl")]}[command]
+    _assert_user_error(capsys, [*command.split(), path, *extra], needle)
+    assert not (tmp_path / "t.jsonl").exists()
+
+
+def test_route_checks_the_family_like_info(tmp_path, capsys):
+    import transformers
+
+    transformers.LlamaConfig(hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+                             intermediate_size=32).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes(b"")  # never read: the family check comes first
+    _assert_user_error(capsys, ["route", str(tmp_path), "--prompt", "hi"], "not a supported MoE family", "mixtral")
+
+
+def test_route_refuses_a_prompt_beyond_the_context_and_says_what_it_cuts(capsys):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    long = "x = 1\n" * 100  # 600 bytes = 600 tokens > the embedded model's 512 positions
+    lines = _assert_user_error(capsys, ["route", str(EMBEDDED_MODEL), "--prompt", long], "600 tokens", "512")
+    assert "--max-tokens 512" in lines[1]
+    # past 32 bytes nothing is cut silently: the whole prompt, or the cut said in the table
+    assert main(["route", str(EMBEDDED_MODEL), "--prompt", long[:60]]) == 0
+    assert capsys.readouterr().out.startswith("60 tokens, 4 MoE layers")
+    assert main(["route", str(EMBEDDED_MODEL), "--prompt", long[:60], "--max-tokens", "40"]) == 0
+    assert "40 tokens (first 40 of the prompt's 60, --max-tokens 40)" in capsys.readouterr().out
+
+
+def test_trace_replay_of_a_directory_is_a_user_error(tmp_path, capsys):
+    _assert_user_error(capsys, ["trace", "replay", str(tmp_path), "--slots", "8"], "is a directory")
+
+
+def _write_trace(path, header_changes=None, step=None):
+    head = {"moeflow_trace": 1, "num_layers": 2, "num_experts": [8, 8], "top_k": [2, 2], "pred_width": 0,
+            "expert_bytes": 10, "meta": {}}
+    head.update(header_changes or {})
+    steps = [{"p": 0, "l": 0, "ids": [[0, 1]], "pred": None}, step or {"p": 0, "l": 1, "ids": [[2, 3]], "pred": None}]
+    path.write_text("\n".join(json.dumps(x) for x in [head, *steps]) + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize("header, step, needle", [
+    ({"num_experts": [8]}, None, "Trace.num_experts=[8]: expected a list of num_layers=2"),
+    ({"expert_bytes": -5}, None, "Trace.expert_bytes=-5"),
+    (None, {"p": 0, "l": 1, "ids": [[2, 99]]}, "expert id 99, expected an int in [0, 8)"),
+    (None, {"p": 0, "l": 1, "ids": [[-1, 3]]}, "expert id -1"),
+    (None, {"p": 0, "l": 1, "ids": [[1.5, 3]]}, "expert id 1.5"),
+    (None, {"p": 0, "l": 1, "ids": [[1, 2, 3]]}, "3 ids, expected K=2 ids"),
+    (None, {"p": 0, "l": 1, "ids": [[3, 3]]}, "repeats an expert id"),
+])
+def test_trace_replay_of_a_corrupt_trace_is_a_user_error(tmp_path, capsys, header, step, needle):
+    path = _write_trace(tmp_path / "t.jsonl", header, step)
+    lines = _assert_user_error(capsys, ["trace", "replay", path, "--slots", "8"], needle)
+    if step is not None:
+        assert "t.jsonl:3:" in lines[0]  # the file's line
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without CUDA")
+def test_demo_on_cuda_without_cuda_is_a_user_error(capsys):
+    _assert_user_error(capsys, ["demo", "--device", "cuda", "--tokens", "2"], "CUDA is not available")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is not None, reason="checks the refusal without Triton")
+def test_bench_experts_dry_run_without_triton_is_a_user_error(capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    lines = _assert_user_error(capsys, ["bench", "experts", "--dry-run"], "'triton', which is not installed")
+    assert "pip install" in lines[1]
+
+
+@pytest.mark.parametrize("argv, usage", [
+    (["trace", "record", "--help"], "usage: moeflow trace record"),
+    (["trace", "replay", "--help"], "usage: moeflow trace replay"),
+    (["trace", "stats", "--help"], "usage: moeflow trace stats"),
+    (["trace", "plot", "--help"], "usage: moeflow trace plot"),
+    (["bench", "routing", "--help"], "usage: moeflow bench routing"),
+    (["bench", "offload", "--help"], "usage: moeflow bench offload"),
+])
+def test_help_reaches_every_action(argv, usage, capsys, monkeypatch):
+    from pathlib import Path
+
+    monkeypatch.chdir(Path(__file__).resolve().parents[1])
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(usage), out[:200]
+    if argv[0] == "bench":
+        assert "--out" in out  # the script's own options
+
+
+def test_debug_works_anywhere_on_the_line(tmp_path, capsys):
+    for argv in (["--debug", "info", str(tmp_path)], ["info", "--debug", str(tmp_path)],
+                 ["info", str(tmp_path), "--debug"]):
+        with pytest.raises(FileNotFoundError, match="no config.json"):
+            main(argv)
+    assert main(["info", str(tmp_path)]) == 2
+
+
+def test_version(capsys):
+    import moeflow
+
+    with pytest.raises(SystemExit) as exc:
+        main(["--version"])
+    assert exc.value.code == 0
+    assert capsys.readouterr().out.strip() == f"moeflow {moeflow.__version__}"
+
+
+def test_readme_record_then_replay_gives_belady_hits(tmp_path, capsys, monkeypatch):
+    """The README's `trace record ... && trace replay t.jsonl --slots 8 --policy lru belady`, as written."""
+    from moeflow.demo import EMBEDDED_MODEL
+    from moeflow.offload.trace import Trace
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["trace", "record", str(EMBEDDED_MODEL), "--out", "t.jsonl"]) == 0
+    assert "2048 tokens" in capsys.readouterr().out
+    assert main(["trace", "replay", "t.jsonl", "--slots", "8", "--policy", "lru", "belady", "--json", "r.json"]) == 0
+    assert "decode order" in capsys.readouterr().out
+    rows = {r["policy"]: r for r in json.loads((tmp_path / "r.json").read_text())}
+    assert rows["belady"]["hit_rate"] > 0.3 and rows["belady"]["hit_rate"] >= rows["lru"]["hit_rate"] > 0
+    assert rows["belady"]["tokens"] == 2048
+    # the prefill order stays available, and is what gave 0.000 before
+    assert main(["trace", "replay", "t.jsonl", "--slots", "8", "--policy", "lru", "--prefill"]) == 0
+    assert "prefill passes" in capsys.readouterr().out
+    assert main(["trace", "plot", "t.jsonl", "--slots", "12", "--policy", "lru", "belady"]) == 0
+    assert (tmp_path / "hit_rate.png").stat().st_size > 5000
+    assert len(Trace.load("t.jsonl").steps) == 2048 // 128 * 4

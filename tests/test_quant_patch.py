@@ -32,7 +32,7 @@ def _fp8_model(family: str):
     spec = fp8_block_spec((16, 16))  # small blocks: partial edge blocks at these tiny shapes
     quantized = copy.deepcopy(model)
     n = 0
-    for (name, mod), (_, qmod) in zip(model.named_modules(), quantized.named_modules()):
+    for (_name, mod), (_, qmod) in zip(model.named_modules(), quantized.named_modules()):
         experts = getattr(mod, "experts", None)
         if experts is None or not hasattr(experts, "gate_up_proj"):
             continue

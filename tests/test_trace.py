@@ -12,10 +12,10 @@ import json
 import pytest
 import torch
 
+from moeflow.cli_trace import main as trace_main
 from moeflow.offload.attach import attach_offload
 from moeflow.offload.config import OffloadConfig
 from moeflow.offload.trace import Step, Trace, record_trace, replay, trace_stats
-from moeflow.offload.trace import main as trace_main
 from moeflow.testing import assert_bitwise_equal
 
 
@@ -164,3 +164,78 @@ def test_replay_of_a_recorded_trace_matches_the_live_cache(policy, prefetch):
     assert (r.hits, r.misses, r.prefetch_issued, r.prefetch_used, r.prefetch_wasted) == \
            (s.hits, s.misses, s.prefetch_issued, s.prefetch_used, s.prefetch_wasted)
     assert r.bytes_copied == s.bytes_copied
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_experts=[4]), r"Trace.num_experts=\[4\]: expected a list of num_layers=2 ints >= 1"),
+    (dict(top_k=[1, 5]), r"Trace.top_k\[1\]=5: exceeds the layer's 4 \+ 0 experts"),
+    (dict(expert_bytes=-1), "Trace.expert_bytes=-1: expected an int >= 0"),
+    (dict(pred_width=1.5), "Trace.pred_width=1.5"),
+    (dict(num_layers=0), "Trace.num_layers=0"),
+    (dict(num_zero_experts=[0]), r"Trace.num_zero_experts=\[0\]"),
+])
+def test_trace_header_is_validated_at_construction(kwargs, match):
+    base = dict(num_layers=2, num_experts=[4, 4], top_k=[1, 1])
+    with pytest.raises(ValueError, match=match):
+        Trace(**{**base, **kwargs})
+
+
+@pytest.mark.parametrize("step, match", [
+    (Step(0, 0, [[99]]), r"step 0: ids\[0\]: expert id 99, expected an int in \[0, 4\)"),
+    (Step(0, 0, [[-1]]), "expert id -1"),
+    (Step(0, 0, [[1.5]]), "expert id 1.5"),
+    (Step(0, 0, [[True]]), "expert id True"),
+    (Step(0, 0, [[0, 1]]), "2 ids, expected K=1 ids"),
+    (Step(0, 2, [[0]]), r"layer 2 outside \[0, 2\)"),
+    (Step(-1, 0, [[0]]), "pass -1"),
+    (Step(0, 0, []), "expected a list of T >= 1 rows"),
+    (Step(0, 1, [[0]], [[1]]), "pred given, but the header's pred_width is 0"),
+])
+def test_replay_refuses_a_corrupt_step(step, match):
+    t = Trace(num_layers=2, num_experts=[4, 4], top_k=[1, 1])
+    t.steps = [step]
+    with pytest.raises(ValueError, match=match):
+        replay(t, 2, "lru")
+
+
+def test_trace_predictions_and_pass_rows_are_validated():
+    t = Trace(num_layers=2, num_experts=[4, 4], top_k=[1, 1], pred_width=2)
+    t.steps = [Step(0, 1, [[0]], [[1, 2]])]
+    with pytest.raises(ValueError, match="pred given for the last layer 1"):
+        t.validate()
+    t.steps = [Step(0, 0, [[0]], [[1]])]
+    with pytest.raises(ValueError, match=r"pred\[0\]=\[1\]: 1 ids, expected pred_width=2"):
+        t.validate()
+    t.steps = [Step(0, 0, [[0]], [[1, 4]])]
+    with pytest.raises(ValueError, match=r"expert id 4, expected an int in \[0, 4\)"):
+        t.validate()
+    t.steps = [Step(0, 0, [[0], [1]], None), Step(0, 1, [[0]], None)]
+    with pytest.raises(ValueError, match="step 1: 1 token rows, but pass 0 has T=2"):
+        t.validate()
+
+
+def test_trace_load_names_the_line(tmp_path):
+    head = {"moeflow_trace": 1, "num_layers": 1, "num_experts": [4], "top_k": [2]}
+    path = tmp_path / "t.jsonl"
+    path.write_text(json.dumps(head) + '\n{"p":0,"l":0,"ids":[[0,1]]}\n{"p":1,"l":0,"ids":[[0,99]]}\n')
+    with pytest.raises(ValueError, match=r"t.jsonl:3: ids\[0\]: expert id 99"):
+        Trace.load(path)
+    path.write_text(json.dumps({**head, "num_experts": [4, 4]}) + "\n")
+    with pytest.raises(ValueError, match=r"t.jsonl:1: Trace.num_experts=\[4, 4\]"):
+        Trace.load(path)
+    path.write_text(json.dumps(head) + "\nnot json\n")
+    with pytest.raises(ValueError, match="t.jsonl:2: not JSON"):
+        Trace.load(path)
+    with pytest.raises(ValueError, match="is a directory"):
+        Trace.load(tmp_path)
+
+
+def test_zero_expert_ids_are_valid_and_round_trip(tmp_path):
+    # LongCat: ids >= E are zero experts (no weights, never cached); they are legal trace ids.
+    t = Trace(num_layers=1, num_experts=[4], top_k=[2], num_zero_experts=[2])
+    t.steps = [Step(0, 0, [[0, 5]]), Step(1, 0, [[4, 1]])]
+    t.save(tmp_path / "z.jsonl")
+    u = Trace.load(tmp_path / "z.jsonl")
+    assert u.num_zero_experts == [2] and u.as_decode().num_zero_experts == [2]
+    r = replay(u, 2, "lru")
+    assert (r.hits, r.misses) == (0, 2)  # (0,0) and (0,1); the zero experts cost nothing

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from .blocks import MoEBlock
 from .interface import moeflow_experts_forward, register_experts_interface
-from .patch import PatchedBlock, PatchReport, moe_layers, patch_model, unpatch_model
+from .patch import PatchedBlock, PatchReport, check_routing, moe_layers, patch_model, unpatch_model
 from .util import available_hf_families, hf_families
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "PatchReport",
     "PatchedBlock",
     "available_hf_families",
+    "check_routing",
     "hf_families",
     "moe_layers",
     "moeflow_experts_forward",

@@ -36,12 +36,13 @@ from ..offload.config import OffloadConfig
 from ..parallel.ep import shard_layer
 from ..quant.hf import experts_from_hf_module
 from ..routing.families import router_spec_from_hf, text_config
+from ..routing.monitor import RoutingMonitor
 from ..routing.spec import RouterSpec
 from .blocks import BlockState, MoEBlock, block_kinds, patched_class
 from .util import attr_path as _attr
 from .util import available_hf_families, hf_families
 
-__all__ = ["PatchReport", "PatchedBlock", "patch_model", "unpatch_model", "moe_layers"]
+__all__ = ["PatchReport", "PatchedBlock", "patch_model", "unpatch_model", "moe_layers", "check_routing"]
 
 EP_MODES = ("all_to_all", "all_reduce")
 
@@ -315,6 +316,17 @@ def patch_model(
         # storage shared with the model is released last, after every check passed.
         attach_offload(layers, offload)
 
+    # One routing status flag per model forward instead of a host sync per layer.
+    monitor = RoutingMonitor()
+    for layer in layers:
+        layer.check_routing = "deferred"
+        layer.routing_monitor = monitor
+    model.__dict__["_moeflow_routing"] = (
+        monitor,
+        model.register_forward_pre_hook(lambda mod, args: monitor.poll()),
+        model.register_forward_hook(lambda mod, args, out: monitor.end_forward()),
+    )
+
     rows = []
     for path, block, fam, layer_idx, layer in plans:
         spec = layer.config.router
@@ -357,6 +369,19 @@ def moe_layers(model: nn.Module) -> list[MoELayer]:
     return list(seen.values())
 
 
+def check_routing(model: nn.Module, *, wait: bool = True) -> None:
+    """Raise the named ValueError (layer, row) if any routing of a patched model failed so far.
+
+    A patched model checks its GPU routing status once per forward without a host sync
+    (moeflow.routing.monitor); this forces the check now (wait=True: one sync), e.g. after
+    the last step of a generation or after CUDA-graph replays.
+    """
+    entry = model.__dict__.get("_moeflow_routing")
+    if entry is None:
+        raise ValueError(f"check_routing: {type(model).__name__} is not patched by moeflow.patch_model")
+    entry[0].check(wait=wait)
+
+
 def unpatch_model(model: nn.Module) -> int:
     """Give every patched module its HF class back; returns how many modules were restored.
 
@@ -373,5 +398,9 @@ def unpatch_model(model: nn.Module) -> int:
         if state.hook_handle is not None and id(state.hook_handle) not in handles:
             handles.add(id(state.hook_handle))
             state.hook_handle.remove()
+    entry = model.__dict__.pop("_moeflow_routing", None)
+    if entry is not None:
+        entry[1].remove()
+        entry[2].remove()
     return len(mods)
 

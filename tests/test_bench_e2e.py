@@ -1,0 +1,131 @@
+"""benchmarks/bench_e2e.py: its tiny CPU mode runs and writes sane JSON; its trace parsing on a synthetic CUDA trace."""
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SHAPES = {"qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-120b"}
+
+
+def test_tiny_cpu_run_writes_sane_json(tmp_path):
+    out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
+    cmd = [sys.executable, "benchmarks/bench_e2e.py", "--cpu", "--tiny", "--out", str(out), "--md", str(md),
+           "--time-budget-s", "90"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    data = json.loads(out.read_text())
+    meta, rows = data["meta"], data["rows"]
+    for key in ("date", "device", "torch", "transformers", "triton", "command", "shapes", "skipped", "stopped"):
+        assert key in meta, key
+    assert "--tiny" in meta["command"]
+    assert set(meta["shapes"]) == SHAPES
+    for name, sm in meta["shapes"].items():
+        assert sm["layers"] == 2, name
+        assert sm["hf_experts_implementation"], name
+        assert "reference" in sm, name
+    for r in rows:
+        assert {"shape", "variant", "metric", "value", "status"} <= set(r), r
+        if r["status"] == "ok" and isinstance(r["value"], float):
+            assert math.isfinite(r["value"]), r
+
+    def ok(shape, variant, metric, **kw):
+        return [r for r in rows if r["shape"] == shape and r["variant"] == variant and r["metric"] == metric
+                and r["status"] == "ok" and all(r.get(k) == v for k, v in kw.items())]
+
+    skipped = {(s["shape"], s["point"], s.get("T"), s.get("batch")) for s in meta["skipped"]}
+    for shape in SHAPES:
+        for variant in ("hf", "auto"):
+            # tier 1 (prefill at the largest T <= 2048, decode b1) always runs; tier 2 may be cut by the budget
+            assert ok(shape, variant, "prefill_tok_s", T=64)[0]["value"] > 0
+            if (shape, "prefill", 16, None) not in skipped:
+                assert ok(shape, variant, "prefill_tok_s", T=16)[0]["value"] > 0
+            for B in (1, 4):
+                if (shape, "decode", None, B) in skipped:
+                    continue
+                assert ok(shape, variant, "generate_tok_s", batch=B)[0]["value"] > 0
+                dec = [r for r in rows if r["shape"] == shape and r["variant"] == variant
+                       and r["metric"] == "decode_tok_s" and r.get("batch") == B]
+                # t(N) - t(1) can come out <= 0 on a noisy CPU: then n/a with both times, never a guess
+                assert len(dec) == 1 and (dec[0]["value"] > 0 if dec[0]["status"] == "ok"
+                                          else dec[0]["status"].startswith("n/a: t(generate")), dec
+            rel = ok(shape, variant, "logits_rel_l2")[0]["value"]
+            assert 0 <= rel < 1e-4, (shape, variant, rel)  # fp32 on CPU: the same model, up to rounding
+            assert ok(shape, variant, "top1_agree")[0]["value"] > 0.9
+            parts = {r["part"]: r for r in rows if r["shape"] == shape and r["variant"] == variant
+                     and r["metric"] == "layer_ms"}
+            assert set(parts) == {"router", "experts", "shared", "moe_glue", "rest"}
+            for part in ("router", "experts", "rest"):
+                assert parts[part]["status"] == "ok" and parts[part]["value"] > 0, (shape, variant, part)
+            # only deepseek-v3 has a shared expert; elsewhere the part is n/a, not a guess
+            assert parts["shared"]["status"].startswith("ok" if shape == "deepseek-v3" else "n/a"), shape
+            assert ok(shape, variant, "syncs_per_prefill")[0]["value"] == 0  # CPU: no CUDA runtime calls
+            assert ok(shape, variant, "syncs_per_decode_token", batch=1)
+        assert ok(shape, "auto", "decode_tokens_equal_hf", batch=1)[0]["value"] == 1.0
+        # the Triton variant cannot run on the CPU: recorded as an error, and the run went on
+        bi = [r for r in rows if r["shape"] == shape and r["variant"] == "triton_bi"]
+        assert bi and all(r["status"].startswith("error") for r in bi)
+    text = md.read_text()
+    assert "| qwen3-30b-a3b | 2 | auto |" in text and "×" in text
+
+
+def _synthetic_cuda_trace():
+    """A forward with one MoE block: ranges on the CPU thread, launches, kernels, a sync and a D2H copy."""
+    def x(cat, name, ts, dur, **args):
+        return {"ph": "X", "cat": cat, "name": name, "pid": 1, "tid": 1, "ts": ts, "dur": dur, "args": args}
+
+    ev = [x("user_annotation", "e2e::forward", 0, 1000), x("user_annotation", "e2e::moe_block", 100, 400),
+          x("user_annotation", "e2e::router", 110, 90), x("user_annotation", "e2e::experts", 200, 200),
+          x("user_annotation", "e2e::shared", 400, 50), x("user_annotation", "e2e::head", 900, 50)]
+    launches = [(150, 1), (250, 2), (260, 3), (420, 4), (470, 5), (600, 6), (920, 7)]
+    ev += [x("cuda_runtime", "cudaLaunchKernel", ts, 5, correlation=c) for ts, c in launches[:2]]
+    ev += [x("cuda_driver", "cuLaunchKernel", ts, 5, correlation=c) for ts, c in launches[2:]]
+    durs = {1: 10, 2: 100, 3: 50, 4: 20, 5: 5, 6: 30, 7: 8}
+    names = {1: "_route_kernel", 2: "moe_gate_up_kernel", 3: "moe_down_kernel", 4: "nvjet_gemm", 5: "add",
+             6: "flash_fwd", 7: "gemm_head"}
+    ev += [{"ph": "X", "cat": "kernel", "name": names[c], "pid": 0, "tid": 7, "ts": 2000 + 200 * c, "dur": durs[c],
+            "args": {"correlation": c}} for c in durs]
+    ev.append({"ph": "X", "cat": "kernel", "name": "orphan", "pid": 0, "tid": 7, "ts": 5000, "dur": 1,
+               "args": {"correlation": 99}})
+    # .item(): D2H cudaMemcpyAsync + cudaStreamSynchronize inside the forward; one more sync after it
+    ev += [x("cuda_runtime", "cudaMemcpyAsync", 300, 5, correlation=50),
+           {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pageable)", "pid": 0, "tid": 7,
+            "ts": 2500, "dur": 1, "args": {"correlation": 50}},
+           x("cuda_runtime", "cudaStreamSynchronize", 306, 20, correlation=51),
+           x("cuda_runtime", "cudaMemcpy", 700, 5, correlation=52),
+           {"ph": "X", "cat": "gpu_memcpy", "name": "Memcpy DtoH (Device -> Pinned)", "pid": 0, "tid": 7,
+            "ts": 3000, "dur": 1, "args": {"correlation": 52}},
+           x("cuda_runtime", "cudaDeviceSynchronize", 1500, 20, correlation=53)]
+    return ev
+
+
+def test_split_and_sync_count_on_a_synthetic_cuda_trace():
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_e2e import count_syncs, split_from_trace
+
+    ev = _synthetic_cuda_trace()
+    split = split_from_trace(ev, n_layers=2, cuda=True)
+    tot = split["total_ms"]
+    assert math.isclose(tot["router"], 0.010) and math.isclose(tot["shared"], 0.020)
+    assert math.isclose(tot["experts"], 0.150 + 0.001)  # gate_up + down + the D2H copy launched in its range
+    assert math.isclose(tot["moe_glue"], 0.005) and math.isclose(tot["head"], 0.008)
+    assert math.isclose(tot["rest"], 0.030 + 0.001)  # flash_fwd + the blocking copy launched outside the block
+    assert math.isclose(split["per_layer_ms"]["experts"], 0.151 / 2)
+    assert split["unmatched_ms"] == 0.001 and "na" not in split  # 1 of ~226 us unmatched: under 2%
+    assert split["top_kernels"]["experts"][0][0] == "moe_gate_up_kernel"
+    assert split["na_parts"] == {}
+    syncs = count_syncs(ev, "e2e::forward")
+    # the stream sync after the D2H async copy + the blocking cudaMemcpy D2H; the device sync is outside
+    assert syncs["syncs"] == 2 and syncs["sync_calls"] == 1 and syncs["d2h_copies"] == 2 and syncs["blocking_d2h"] == 1
+    # a moeflow kernel whose launch was not recorded is attributed by its name; an unknown one is not
+    ev.append({"ph": "X", "cat": "kernel", "name": "moe_combine_kernel", "pid": 0, "tid": 7, "ts": 5500, "dur": 40,
+               "args": {"correlation": 97}})
+    split = split_from_trace(ev, n_layers=2, cuda=True)
+    assert math.isclose(split["total_ms"]["experts"], 0.191) and math.isclose(split["attributed_by_name_ms"], 0.040)
+    assert "na" not in split
+    # a trace with too much kernel time lacking a launch is not split
+    ev.append({"ph": "X", "cat": "kernel", "name": "big_orphan", "pid": 0, "tid": 7, "ts": 6000, "dur": 100,
+               "args": {"correlation": 98}})
+    assert "na" in split_from_trace(ev, n_layers=2, cuda=True)
