@@ -69,6 +69,21 @@ def test_router_logits_row_bits_do_not_depend_on_position_or_layout():
                     assert torch.equal(router_logits(layout, wl)[pos], alone), (T, pos)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or __import__("importlib").util.find_spec("triton") is None,
+                    reason="needs CUDA and triton")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_logits_cuda_bits_do_not_depend_on_layout(dtype):
+    """The Triton kernel needs unit stride along H: the public launcher hands it a copy, same bits."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(9, 192, generator=g).to(dtype)
+    w = torch.randn(32, 192, generator=g).to(dtype)
+    ref = router_logits(x.cuda(), w.cuda())
+    for xl in _layouts(x).values():
+        for wl in _layouts(w).values():
+            assert torch.equal(router_logits(xl.cuda(), wl.cuda()), ref)
+
+
 # ---- D. RouterSpec float and bool fields --------------------------------------------------------
 
 
@@ -213,6 +228,15 @@ def test_offload_config_accepts_a_path_checkpoint(tmp_path):
 def test_offload_config_refuses_cuda_without_cuda(device):
     with pytest.raises(ValueError, match=f"OffloadConfig.device='{device}': CUDA is not available"):
         OffloadConfig(gpu_slots=4, device=device)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_offload_config_refuses_a_cuda_index_this_machine_lacks():
+    n = torch.cuda.device_count()
+    assert OffloadConfig(gpu_slots=4, device="cuda:0").device == "cuda:0"
+    with pytest.raises(ValueError, match=f"this machine has {n} CUDA device"):
+        OffloadConfig(gpu_slots=4, device=f"cuda:{n}")
 
 
 def test_offload_config_refuses_an_unknown_device():

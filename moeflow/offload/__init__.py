@@ -7,7 +7,8 @@
 
 Modules: config (OffloadConfig), store (ExpertStore), cache (SlotTable, ExpertCache),
 policy (LRU, RandomOldest, Predictive, Belady), prefetch (Prefetcher), attach
-(attach_offload, OffloadRuntime), trace (record / replay / stats, `moeflow trace`).
+(attach_offload, OffloadRuntime, OffloadedExperts: the offload expert source), trace (record /
+replay / stats; the `moeflow trace` command is moeflow.cli_trace).
 Names are imported lazily so `import moeflow.offload` stays light.
 """
 
@@ -24,6 +25,7 @@ _EXPORTS = {
     "Prefetcher": "moeflow.offload.prefetch",
     "attach_offload": "moeflow.offload.attach",
     "OffloadRuntime": "moeflow.offload.attach",
+    "OffloadedExperts": "moeflow.offload.attach",
     "Trace": "moeflow.offload.trace",
     "record_trace": "moeflow.offload.trace",
     "replay": "moeflow.offload.trace",

@@ -9,6 +9,8 @@ columns, K picks per token, V vocabulary (hash layers).
 
 `run_router` is the only place that turns a layer input into a routing: gemma4's router
 RMSNorm, the f32 batch-invariant logits, gpt-oss's linear bias, the family's selection.
+On CUDA (with Triton) it runs the fused router step (`moeflow.routing.gpu.router_step_cuda`,
+no host sync); elsewhere the torch reference.
 The offload prefetcher predicts the next layer from the same holder (`router_input`).
 """
 
@@ -18,7 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .._triton import triton_available
 from ..types import RoutingResult
+from .hash import check_hash_table
 from .logits import router_logits
 from .select import route
 from .spec import RouterSpec
@@ -89,6 +93,8 @@ class RouterWeights:
             _check_tensor("hash_table_VK", t, None, floating=False)
             if t.dim() != 2 or t.shape[1] != spec.top_k:
                 raise ValueError(f"hash_table_VK: shape {tuple(t.shape)}, expected (V, K={spec.top_k})")
+            # ids in range and distinct per row (read on the host once, here, not per forward)
+            check_hash_table(t, S, top_k=spec.top_k, name="hash_table_VK")
         eps = self.prenorm_eps
         if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
             raise ValueError(f"prenorm_eps={eps!r}: expected a float >= 0")
@@ -116,7 +122,24 @@ def run_router(rw: RouterWeights, spec: RouterSpec, x_TH: torch.Tensor, *,
     # Detached: routing is an inference-time selection here, and the batch-invariant
     # logits kernel writes through `out=`, which autograd refuses on tensors that
     # require grad (HF Parameters do by default).
-    logits = router_logits(router_input(rw, x_TH).detach(), rw.weight_EH.detach())
+    r_TH = router_input(rw, x_TH).detach()
+    if r_TH.is_cuda and triton_available():
+        # The fused router step: the batch-invariant logits GEMM and the selection (which adds
+        # gpt-oss's router bias) in two launches, the same bits as router_logits + route.
+        from .gpu import router_step_cuda
+
+        if r_TH.dim() == 2 and r_TH.shape[1] > 1 and r_TH.stride(1) != 1:
+            r_TH = r_TH.contiguous()
+        w_EH = rw.weight_EH.detach()
+        if w_EH.stride(-1) != 1:
+            w_EH = w_EH.contiguous()
+        step = router_step_cuda(
+            r_TH, w_EH, spec, router_bias=None if rw.router_bias_E is None else rw.router_bias_E.detach(),
+            bias=rw.selection_bias_E, expert_scale=rw.expert_scale_E,
+            input_ids=input_ids if spec.hash_routing else None, hash_table=rw.hash_table_VK, layer=layer,
+        )
+        return step.routing
+    logits = router_logits(r_TH, rw.weight_EH.detach())
     if rw.router_bias_E is not None:
         logits = logits + rw.router_bias_E.detach().to(torch.float32)
     return route(
