@@ -117,6 +117,20 @@ class MoEConfig:
         return self.router.top_k
 
 
+def check_expert_biases(w: ExpertWeights, E: int, H: int, I: int) -> None:
+    """TypeError/ValueError naming the bias of `w` that is not a floating [E, 2I] / [E, H] tensor (or None)."""
+    for name, want in (("gate_up_bias", (E, 2 * I)), ("down_bias", (E, H))):
+        b = getattr(w, name)
+        if b is None:
+            continue
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"ExpertWeights.{name}: expected a torch.Tensor or None, got {type(b).__name__}")
+        if tuple(b.shape) != want:
+            raise ValueError(f"ExpertWeights.{name}: shape {tuple(b.shape)}, expected {want}")
+        if not b.dtype.is_floating_point:
+            raise TypeError(f"ExpertWeights.{name}: dtype {b.dtype}, expected a floating dtype")
+
+
 # eq=False: tensors have no boolean ==; two holders are equal only if they are the same object.
 @dataclass(frozen=True, eq=False)
 class ExpertWeights:
@@ -207,14 +221,7 @@ class ExpertWeights:
                 f"gate_up {tuple(gu.shape)} in layout {self.layout!r} ({names})"
             )
         I = two_i // 2
-        for name, want in (("gate_up_bias", (E, 2 * I)), ("down_bias", (E, H))):
-            b = getattr(self, name)
-            if b is None:
-                continue
-            if not isinstance(b, torch.Tensor):
-                raise TypeError(f"ExpertWeights.{name}: expected a torch.Tensor or None, got {type(b).__name__}")
-            if tuple(b.shape) != want:
-                raise ValueError(f"ExpertWeights.{name}: shape {tuple(b.shape)}, expected {want}")
+        check_expert_biases(self, E, H, I)
         for name in ("down", "gate_up_bias", "down_bias"):
             t = getattr(self, name)
             if t is None:

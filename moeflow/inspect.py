@@ -80,6 +80,7 @@ class CheckpointInfo:
     other_bytes: int  # everything else (attention, embeddings, routers, shared experts)
     active_bytes_per_token: int
     slots: int | None
+    quant: str | None = None  # the experts' stored format (config.json quantization_config), None: plain
 
     @property
     def total_bytes(self) -> int:
@@ -199,7 +200,25 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
         other_bytes=other,
         active_bytes_per_token=other + len(moe_layers) * K * expert_bytes,
         slots=slots,
+        quant=_quant_format(text),
     )
+
+
+def _quant_format(config) -> str | None:
+    """A one-line description of the checkpoint's quantized expert format, or None (plain weights)."""
+    from .quant.spec import quant_spec_from_hf
+
+    qc = getattr(config, "quantization_config", None)
+    if qc is None:
+        return None
+    spec = quant_spec_from_hf(qc)  # ValueError naming the field for a format moeflow cannot read
+    if spec is None:
+        return None
+    stored = {"fp8_block": "float8_e4m3fn", "mxfp4": "packed E2M1 (uint8, 2 a byte)",
+              "nvfp4": "packed E2M1 (uint8, 2 a byte)"}[spec.format]
+    bn, bk = spec.block
+    return (f"{spec.format}: {stored}, {bn}x{bk} blocks of {str(spec.scale_dtype).removeprefix('torch.')} "
+            f"scales, activations {spec.activation_scheme}")
 
 
 def _human(n: float) -> str:
@@ -222,6 +241,7 @@ def format_info(info: CheckpointInfo) -> str:
         + (", renorm" if s.renorm else "")
         + (f", x{s.scaling_factor:g}" if s.scaling_factor != 1.0 else ""),
         f"layers          {info.num_layers} ({len(info.moe_layers)} MoE: {_ranges(info.moe_layers)})",
+        f"experts stored  {info.quant or 'plain floating weights'}",
         f"expert bytes    {_human(info.expert_bytes)} each, {_human(info.routed_bytes)} routed in all",
         f"other bytes     {_human(info.other_bytes)} (attention, embeddings, routers, shared experts)",
         f"active / token  {_human(info.active_bytes_per_token)}",

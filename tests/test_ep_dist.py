@@ -553,6 +553,26 @@ def _case_load_ds_v4(rank, W, ckpt_dir):
     assert_close(out, ref, **TOL, what="DS-V4 load_ep_layer output vs single process")
 
 
+def _case_quantized_experts(rank, W):
+    """A rank holds its experts' FP8 bytes (data + block scales) and computes bit-identically."""
+    from moeflow.quant.experts import quantize_experts
+    from moeflow.quant.spec import fp8_block_spec
+
+    base = _build(seed=17)
+    qw = quantize_experts(base.expert_weights, fp8_block_spec((8, 8)))  # 12 = 8 + a partial block
+    layer = MoELayer(base.config, router=base.router_weights, experts=qw, experts_impl="reference")
+    Ts = [4, 6, 1, 3][:W]
+    xs = [_tokens(17, r, Ts[r], base.config.hidden_size) for r in range(W)]
+    with torch.no_grad():
+        ref = layer(torch.cat(xs))[sum(Ts[:rank]): sum(Ts[: rank + 1])]
+        ep = shard_layer(layer, group=dist.group.WORLD, mode="all_to_all", timeout_s=CASE_TIMEOUT_S)
+        out = ep(xs[rank])
+    w = ep.source.weights
+    assert w.quant is not None and w.gate_up.dtype == torch.float8_e4m3fn and w.gate_up.shape[0] == 8 // W
+    assert w.gate_up_scale is not None and w.gate_up_scale.shape[0] == 8 // W
+    assert_bitwise_equal(out, ref, what=f"rank {rank} FP8 EP vs single process")
+
+
 def _case_whole_model(rank, W):
     _whole_model(rank, W, "mixtral", "all_to_all")
     _whole_model(rank, W, "deepseek_v3", "all_to_all")  # shared expert, grouped routing
@@ -611,6 +631,7 @@ CASES = [
     ("world_of_one_subgroup", _case_world_of_one),
     ("whole_model_generate", _case_whole_model),
     ("ep_with_offload", _case_ep_offload),
+    ("quantized_experts", _case_quantized_experts),
     ("all_reduce_misuse_named_error", _case_all_reduce_misuse),
     ("load_local_experts", None),  # needs the checkpoint directory: see _worker
     ("load_deepseek_v4_clamp", None),

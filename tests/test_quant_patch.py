@@ -76,8 +76,34 @@ def test_patch_model_runs_hf_fp8_experts(family):
     assert torch.equal(g1, g0), f"greedy tokens differ: {g1.tolist()} vs {g0.tolist()}"
 
 
-def test_quantized_experts_refuse_offload_by_name():
-    _, quantized = _fp8_model("qwen3_moe")
-    with pytest.raises(ValueError, match=r"quantized experts \(fp8_block\) cannot be offloaded yet"):
-        moeflow.patch_model(quantized, offload=moeflow.OffloadConfig(gpu_slots=4, device="cpu"))
-    assert not any(isinstance(m, mhf.MoEBlock) for m in quantized.modules())
+def test_offloaded_fp8_experts_keep_their_bytes_and_bits():
+    """The host store and the slots hold the FP8 data and scales (about half the bf16 bytes); the
+    offloaded model's logits are bit-identical to the resident quantized model's."""
+    _, resident = _fp8_model("qwen3_moe")
+    off = copy.deepcopy(resident)
+    moeflow.patch_model(resident, experts="reference")
+    moeflow.patch_model(off, experts="reference", offload=moeflow.OffloadConfig(gpu_slots=4, device="cpu"))
+    rt = mhf.moe_layers(off)[0].offload
+    assert rt.store.quant is not None and rt.store.dtypes["gate_up"] == torch.float8_e4m3fn
+    w = mhf.moe_layers(resident)[0].source.weights
+    assert rt.store.expert_bytes == w.expert_bytes
+    plain_bytes = (w.gate_up[0].numel() + w.down[0].numel()) * 2  # the same expert in bf16
+    assert rt.store.expert_bytes < 0.6 * plain_bytes, (rt.store.expert_bytes, plain_bytes)
+    ids = torch.randint(3, 97, (2, 9), generator=torch.Generator().manual_seed(4))
+    with torch.no_grad():
+        want = resident(ids).logits
+        got = off(ids).logits
+    assert torch.equal(got, want), f"offloaded FP8 differs: max {float((got - want).abs().max()):.3g}"
+    s = rt.stats()
+    assert s.misses > 0 and s.bytes_copied == (s.misses + s.prefetch_issued) * rt.store.expert_bytes
+
+
+def test_info_shows_the_quantized_format(tmp_path, capsys):
+    from test_quant_checkpoint import FP8_CFG, write_quantized
+
+    from moeflow.cli import main
+
+    path, _, _ = write_quantized(tmp_path, "deepseek_v3", fp8_block_spec((16, 16)), FP8_CFG, fmt="per_expert")
+    assert main(["info", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "experts stored  fp8_block: float8_e4m3fn, 16x16 blocks of float32 scales" in out, out

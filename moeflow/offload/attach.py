@@ -74,8 +74,15 @@ class OffloadedExperts:
         self.num_experts = runtime.store.num_experts[pos]
 
     @property
-    def dtype(self) -> torch.dtype:
-        return self.runtime.store.dtype
+    def dtype(self) -> torch.dtype | None:
+        """The activations' dtype (None for quantized experts, whose storage dtype is not it)."""
+        store = self.runtime.store
+        return None if getattr(store, "quant", None) is not None else store.dtype
+
+    @property
+    def quant(self):
+        """The slots' QuantSpec: the store keeps the checkpoint's quantized bytes."""
+        return getattr(self.runtime.store, "quant", None)
 
     @property
     def device(self) -> torch.device:
@@ -142,7 +149,7 @@ class OffloadRuntime:
         if x.device != self.device:
             raise ValueError(f"x_TH: on {x.device}, expected the offload cache's device {self.device} "
                              f"(move the model's non-expert parts there: model.to({str(self.device)!r}))")
-        if x.dtype != self.store.dtype:
+        if getattr(self.store, "quant", None) is None and x.dtype != self.store.dtype:
             raise TypeError(f"x_TH: dtype {x.dtype}, expected the offloaded experts' dtype {self.store.dtype}")
 
     def _run_step(self, pos, impl, batch: ExpertBatch, config: MoEConfig, step_input) -> torch.Tensor:
@@ -259,17 +266,13 @@ def _resident_weights(layer, i: int) -> ExpertWeights:
     if not isinstance(w, ExpertWeights):
         raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): its source {type(src).__name__} holds no "
                          f"resident experts to offload")
-    if w.quant is not None:
-        # The store and the slots hold one floating dtype today; quantized bytes need per-tensor dtypes.
-        raise ValueError(f"layers[{i}] (layer_idx={layer.layer_idx}): quantized experts ({w.quant.format}) cannot "
-                         f"be offloaded yet; load them dequantized (load_moe_layer(..., dtype=torch.bfloat16))")
     return w
 
 
 def _choose_store(weights: Sequence[ExpertWeights], config: OffloadConfig) -> str:
     if config.store != "auto":
         return config.store
-    need = sum(w.gate_up.numel() + w.down.numel() for w in weights) * weights[0].gate_up.element_size()
+    need = sum(w.nbytes for w in weights)
     avail = available_host_bytes()
     if avail is None or need <= _HOST_MARGIN * avail:
         return "pinned"
@@ -334,6 +337,9 @@ def attach_offload(layers: Sequence, config: OffloadConfig, *, release: bool = T
         runtime.install()
         return runtime
     mode = _choose_store(weights, config)
+    if mode == "mmap" and weights[0].quant is not None:
+        raise ValueError("OffloadConfig.store='mmap': quantized experts are served from a pinned host copy "
+                         "(store='pinned' or 'auto'); reading them lazily from the checkpoint is not built")
     if mode == "mmap":
         ids = list(layer_ids) if layer_ids is not None else [layer.layer_idx for layer in layers]
         w0 = weights[0]

@@ -384,19 +384,17 @@ class ExpertCache:
         if self.device.type == "cuda" and self.device.index is None:
             self.device = torch.device("cuda", torch.cuda.current_device())
         self.num_slots = num_slots
+        dtypes = getattr(store, "dtypes", None) or {}
         self.buffers: dict[str, torch.Tensor] = {
-            name: torch.empty((num_slots, *shape), dtype=store.dtype, device=self.device)
+            name: torch.empty((num_slots, *shape), dtype=dtypes.get(name, store.dtype), device=self.device)
             for name, shape in store.shapes.items()
         }
         if self.device.type == "cpu":
             # deterministic contents for never-loaded slots (a kernel must never read them)
             for b in self.buffers.values():
-                b.fill_(float("nan"))
-        self.weights = ExpertWeights(
-            self.buffers["gate_up"], self.buffers["down"],
-            self.buffers.get("gate_up_bias"), self.buffers.get("down_bias"),
-            layout=store.layout, interleaved=store.interleaved,
-        )
+                b.fill_(float("nan") if b.dtype.is_floating_point and b.element_size() > 1 else 0)
+        self.weights = ExpertWeights(**self.buffers, layout=store.layout, interleaved=store.interleaved,
+                                     quant=getattr(store, "quant", None))
         self.table = SlotTable(num_slots, policy, store.expert_bytes)
         if self.device.type == "cuda":
             self.engine: HostCopyEngine | CudaCopyEngine = CudaCopyEngine(

@@ -69,18 +69,23 @@ class ExpertStore:
     """
 
     def __init__(self, *, num_experts: Sequence[int], shapes: dict[str, tuple[int, ...]], dtype: torch.dtype,
-                 layout: str, interleaved: bool, mode: str, pinned: bool, recipes) -> None:
+                 layout: str, interleaved: bool, mode: str, pinned: bool, recipes,
+                 dtypes: dict[str, torch.dtype] | None = None, quant=None) -> None:
         self.num_layers = len(num_experts)
         self.num_experts = list(num_experts)
         self.shapes = dict(shapes)
         self.dtype = dtype
+        # Per-tensor dtypes: quantized experts keep their stored form (fp8 / packed uint8 data,
+        # f32 or E8M0 scales, float biases), so the slots move the checkpoint's bytes.
+        self.dtypes = {n: (dtypes or {}).get(n, dtype) for n in self.shapes}
+        self.quant = quant
         self.layout = layout
         self.interleaved = interleaved
         self.mode = mode
         self.pinned = pinned
         self._recipes = recipes  # layer -> callable(expert) -> pieces
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        self.expert_bytes = sum(math.prod(s) for s in self.shapes.values()) * itemsize
+        self.expert_bytes = sum(math.prod(s) * torch.empty((), dtype=self.dtypes[n]).element_size()
+                                for n, s in self.shapes.items())
 
     @property
     def total_bytes(self) -> int:
@@ -117,7 +122,8 @@ class ExpertStore:
         shapes = _shapes_of(w0)
         for i, w in enumerate(weights):
             got = _shapes_of(w)
-            if got != shapes or w.dtype != w0.dtype or w.layout != w0.layout or w.interleaved != w0.interleaved:
+            if got != shapes or w.dtype != w0.dtype or w.layout != w0.layout or w.interleaved != w0.interleaved \
+                    or w.quant != w0.quant:
                 raise ValueError(
                     f"weights[{i}]: per-expert shapes {got} / {w.dtype} / layout {w.layout!r} differ from "
                     f"weights[0]'s {shapes} / {w0.dtype} / {w0.layout!r}: one slot pool needs one expert shape"
@@ -147,18 +153,15 @@ class ExpertStore:
                        enabled=progress and mode == "pinned")
         for i in it:
             w = weights[i]
-            tensors = {"gate_up": host(w.gate_up), "down": host(w.down)}
-            if w.gate_up_bias is not None:
-                tensors["gate_up_bias"] = host(w.gate_up_bias)
-                tensors["down_bias"] = host(w.down_bias)
-            per_layer.append(tensors)
+            per_layer.append({n: host(getattr(w, n)) for n in shapes})
 
         def recipe(tensors: dict[str, torch.Tensor]):
             return lambda e: [(name, None, t[e]) for name, t in tensors.items()]
 
         return cls(num_experts=[_expert_count(w) for w in weights], shapes=shapes, dtype=w0.dtype,
                    layout=w0.layout, interleaved=w0.interleaved, mode=mode, pinned=pin,
-                   recipes=[recipe(t) for t in per_layer])
+                   recipes=[recipe(t) for t in per_layer], dtypes={n: getattr(w0, n).dtype for n in shapes},
+                   quant=w0.quant)
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer_ids: Sequence[int], *, layout: str = "linear",
@@ -225,11 +228,8 @@ def _expert_count(w) -> int:
 
 
 def _shapes_of(w) -> dict[str, tuple[int, ...]]:
-    shapes = {"gate_up": tuple(w.gate_up.shape[1:]), "down": tuple(w.down.shape[1:])}
-    if w.gate_up_bias is not None:
-        shapes["gate_up_bias"] = tuple(w.gate_up_bias.shape[1:])
-        shapes["down_bias"] = tuple(w.down_bias.shape[1:])
-    return shapes
+    """name -> per-expert shape of every tensor the ExpertWeights holds (quantization scales too)."""
+    return {n: tuple(getattr(w, n).shape[1:]) for n in w.TENSOR_FIELDS if getattr(w, n) is not None}
 
 
 def _config_model_type(directory: str) -> str | None:

@@ -73,6 +73,8 @@ def check_quantized(w: ExpertWeights) -> tuple[int, int, int]:
     Raises TypeError / ValueError naming the field, what it is and what was expected.
     Reads no tensor data (scale values are checked by `check_expert_scales`).
     """
+    from ..config import check_expert_biases
+
     spec = w.quant
     if spec is None:
         given = [n for n in SCALE_FIELDS if getattr(w, n) is not None]
@@ -127,16 +129,7 @@ def check_quantized(w: ExpertWeights) -> tuple[int, int, int]:
             raise TypeError(f"ExpertWeights.{name}: dtype {t.dtype}, expected {want_dtype}")
     if (w.gate_up_input_scale is None) != (w.down_input_scale is None):
         raise ValueError("ExpertWeights.gate_up_input_scale/down_input_scale: give both or neither")
-    for name, want in (("gate_up_bias", (E, 2 * I)), ("down_bias", (E, H))):
-        b = getattr(w, name)
-        if b is None:
-            continue
-        if not isinstance(b, torch.Tensor):
-            raise TypeError(f"ExpertWeights.{name}: expected a torch.Tensor or None, got {type(b).__name__}")
-        if tuple(b.shape) != want:
-            raise ValueError(f"ExpertWeights.{name}: shape {tuple(b.shape)}, expected {want}")
-        if not b.dtype.is_floating_point:
-            raise TypeError(f"ExpertWeights.{name}: dtype {b.dtype}, expected a floating dtype")
+    check_expert_biases(w, E, H, I)
     if (w.gate_up_bias is None) != (w.down_bias is None):
         raise ValueError("ExpertWeights.gate_up_bias/down_bias: give both or neither")
     if w.gate_up_bias is not None and w.gate_up_bias.dtype != w.down_bias.dtype:
