@@ -68,7 +68,8 @@ def _assert_shares_weights(model) -> int:
         state = module.__dict__["_moeflow"]
         layer = module.moe_layer
         block_gate_up = _expert_param(module)
-        mine = layer.source._parameters.get("gate_up_full", layer.source._parameters.get("gate_up"))
+        src = layer.source
+        mine = src.gate_up_full if hasattr(src, "gate_up_full") else src.gate_up
         assert mine is block_gate_up, f"{path}: MoELayer gate_up is not the block's Parameter"
         assert layer.expert_weights.gate_up.data_ptr() == block_gate_up.data_ptr(), path
         src = state.sources()
