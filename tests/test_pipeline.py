@@ -227,3 +227,28 @@ def test_refused_offload_patch_leaves_the_model_untouched(bad, match):
     assert all(torch.equal(before[k], after[k]) for k in before), "a refused call changed a tensor"
     report = moeflow.patch_model(model, offload=OffloadConfig(gpu_slots=4, device="cpu"))  # the corrected retry
     assert report.offload and len(report) == 4
+
+
+def test_routing_monitor_folds_pending_statuses_and_names_the_failure():
+    """The monitor's logic on CPU tensors (the CUDA event path is tested on the GPU): statuses of
+    layers called outside a model forward never pile up, and a failed row raises by name."""
+    from moeflow.routing.monitor import RoutingMonitor
+
+    class Status:  # the RoutingStatus interface the monitor uses
+        def __init__(self, bad: bool) -> None:
+            self.status_T = torch.tensor([1 if bad else 0], dtype=torch.int32)
+            self.bad = bad
+
+        def check(self) -> None:
+            if self.bad:
+                raise ValueError("logits_TE: NaN logit in token row 0 of layer 3")
+
+    m = RoutingMonitor()
+    m.end_forward = lambda: m._pending.clear()  # CPU: no CUDA event; only the folding is tested here
+    for _ in range(RoutingMonitor.MAX_PENDING + 5):
+        m.add(Status(False))
+    assert len(m._pending) < RoutingMonitor.MAX_PENDING
+    m2 = RoutingMonitor()
+    m2.add(Status(True))
+    with pytest.raises(ValueError, match="NaN logit in token row 0 of layer 3"):
+        m2.check(wait=True)

@@ -48,10 +48,17 @@ class RoutingMonitor:
         self._host: torch.Tensor | None = None
         self._event: torch.cuda.Event | None = None
 
+    # Layers called outside a model forward (a benchmark looping over one layer) never reach
+    # end_forward: past this many pending statuses they are folded into one flag.
+    MAX_PENDING = 1024
+
     def add(self, status) -> None:
         """Record one layer's RoutingStatus (called by MoELayer.route)."""
         with self._lock:
             self._pending.append(status)
+            full = len(self._pending) >= self.MAX_PENDING
+        if full:
+            self.end_forward()
 
     def end_forward(self) -> None:
         """Enqueue the forward's one error flag (device op + non-blocking copy + event); no sync."""
