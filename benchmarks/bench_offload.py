@@ -28,6 +28,13 @@ synchronize, synchronous memcpy) are counted per layer step.
     python benchmarks/bench_offload.py --quick      # small shapes, runs on CPU too
     python benchmarks/bench_offload.py --cpu        # the quick CPU configuration (a few seconds)
 
+CPU execution of missed experts (OffloadConfig.cpu_experts, rows with "bench": "cpu_experts"):
+per shape, at --cpu-fractions caches (25%, 50%), tokens/s of the same decode loop with
+cpu_experts off vs auto (the cost model on this host's measured B_cpu / B_pcie; the quick
+CPU run adds "always"), the experts run on the CPU and the bytes not copied per token, and
+the largest difference from the resident model over the checked tokens (0 for off; within
+the documented tolerance otherwise, routing flips aside). --cpu-experts off turns it off.
+
 Without CUDA (or with --cpu) the script runs the quick configuration on the CPU and says
 so: the full shapes allocate tens of GB (mixtral-8x7b's experts alone are ~45 GB in fp32)
 and measure no PCIe copies on a CPU, so they would only exhaust host memory.
@@ -244,6 +251,63 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
                 del rt
                 if device == "cuda":
                     torch.cuda.empty_cache()
+    if "off" not in args.cpu_experts or len(args.cpu_experts) > 1:
+        rows += cpu_experts_rows(shape, L, args, device, resident, store, xs, ref_out, warm_xs)
+    return rows
+
+
+def cpu_experts_rows(shape: str, L: int, args, device: str, layers, store, xs, ref_out, warm_xs) -> list[dict]:
+    """tokens/s with OffloadConfig.cpu_experts in args.cpu_experts, at args.cpu_fractions caches (see module doc)."""
+    s = STANDARD_SHAPES[shape]
+    E, K = s["E"], s["K"]
+    total = L * E
+    policy = args.policies[0]
+    rows = []
+    for frac in args.cpu_fractions:
+        slots = max(K, int(round(frac * total)))
+        for mode in args.cpu_experts:
+            cfg = OffloadConfig(gpu_slots=slots, policy=policy, device=device, cpu_experts=mode)
+            rt = attach_offload(list(layers), cfg, release=False, progress=False, store=store)
+            with torch.no_grad():
+                diff = 0.0
+                for i in range(args.check):  # also where "auto" measures B_cpu / B_pcie (untimed)
+                    got = decode(layers, xs[i])
+                    diff = max(diff, (got.float() - ref_out[i].float()).abs().max().item())
+                if mode == "off" and diff != 0.0:
+                    raise SystemExit(f"{shape} slots={slots} cpu_experts=off: differs from the resident model "
+                                     f"(max abs {diff:.3e})")
+                if not math.isfinite(diff):
+                    raise SystemExit(f"{shape} slots={slots} cpu_experts={mode}: non-finite output")
+                for i in range(max(args.warmup, math.ceil(2 * slots / (L * K)))):
+                    decode(layers, warm_xs[i % len(warm_xs)])
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                rt.reset_stats()
+                t0 = time.perf_counter()
+                for x in xs[args.check + args.warmup :]:
+                    decode(layers, x)
+                if device == "cuda":
+                    torch.cuda.synchronize()
+                dt = time.perf_counter() - t0
+            st, cs = rt.stats(), rt.cpu_stats()
+            n = args.tokens
+            bw = rt.bandwidths or (None, None)
+            row = {"bench": "cpu_experts", "shape": shape, "layers": L, "experts": total, "slots": slots,
+                   "cache_frac": frac, "policy": policy, "cpu_experts": mode, "tokens_per_s": n / dt,
+                   "ms_per_token": dt / n * 1e3, "hit_rate": st.hit_rate, "misses_per_token": st.misses / n,
+                   "cpu_experts_per_token": cs.cpu_experts / n, "cpu_ms_per_token": cs.cpu_s * 1e3 / n,
+                   "GB_not_copied_per_token": cs.bytes_not_copied / n / 1e9,
+                   "GB_copied_per_token": st.bytes_copied / n / 1e9, "max_abs_diff_vs_resident": diff,
+                   "cpu_GBps": bw[0] / 1e9 if bw[0] else None, "pcie_GBps": bw[1] / 1e9 if bw[1] else None,
+                   "reuse": rt.reuse.reuse}
+            rows.append(row)
+            print(f"{shape:>13} S={slots:>4} ({frac:.0%}) cpu_experts={mode:>6}: {row['tokens_per_s']:7.2f} tok/s "
+                  f"cpu/tok {row['cpu_experts_per_token']:.2f} miss/tok {row['misses_per_token']:.2f} "
+                  f"diff {diff:.2e}", flush=True)
+            rt.detach()
+            del rt
+            if device == "cuda":
+                torch.cuda.empty_cache()
     return rows
 
 
@@ -334,6 +398,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test of the script)")
     p.add_argument("--cpu", action="store_true",
                    help="run on the CPU, in the quick configuration (the default without CUDA)")
+    p.add_argument("--cpu-experts", nargs="+", default=None, choices=["off", "auto", "always"],
+                   help="OffloadConfig.cpu_experts modes compared (default: off auto; the quick run adds always; "
+                        "'off' alone skips the comparison)")
+    p.add_argument("--cpu-fractions", type=float, nargs="+", default=[0.25, 0.5],
+                   help="cache sizes of the cpu_experts comparison")
     p.add_argument("--out", default="out/bench_offload.json")
     p.add_argument("--trace-stats", action="store_true",
                    help="instead: record the tiny model's trace on held-out text, replay it, write --stats-out")
@@ -358,6 +427,10 @@ def main(argv: list[str] | None = None) -> int:
         STANDARD_SHAPES["quick-deepseek"] = {"H": 64, "I": 32, "E": 32, "K": 4, "shared": 1}
         args.shapes, args.layers = ["quick-mixtral", "quick-deepseek"], [4, 2]
         args.tokens, args.warmup = 6, 3
+        if args.cpu_experts is None:
+            args.cpu_experts = ["off", "auto", "always"]
+    if args.cpu_experts is None:
+        args.cpu_experts = ["off", "auto"]
     if len(args.layers) != len(args.shapes):
         p.error(f"--layers: {len(args.layers)} values for {len(args.shapes)} shapes")
     pcie = pcie_roof_bytes_per_s() if device == "cuda" else 10e9
@@ -368,7 +441,12 @@ def main(argv: list[str] | None = None) -> int:
         rows += run_shape(shape, L, args, pcie, device, dtype)
     cols = ["shape", "slots", "cache_frac", "policy", "prefetch", "tokens_per_s", "hit_rate", "misses_per_token",
             "prefetch_precision", "wait_ms_per_token", "roof_frac", "roof_frac_miss"]
-    print(format_table(rows, cols))
+    print(format_table([r for r in rows if "bench" not in r], cols))
+    cpu_rows = [r for r in rows if r.get("bench") == "cpu_experts"]
+    if cpu_rows:
+        print(format_table(cpu_rows, ["shape", "slots", "cache_frac", "cpu_experts", "tokens_per_s", "hit_rate",
+                                      "misses_per_token", "cpu_experts_per_token", "GB_not_copied_per_token",
+                                      "cpu_GBps", "pcie_GBps", "reuse", "max_abs_diff_vs_resident"]))
     for r in rows:
         if "profile" in r:
             print(f"profile {r['shape']} S={r['slots']} {r['policy']} pf={r['prefetch']}: {r['profile']}")

@@ -1,7 +1,7 @@
 """`moeflow trace record | replay | stats | plot`: the command line over `moeflow.offload.trace`.
 
     moeflow trace record MODEL_DIR --out t.jsonl [--text FILE | --prompt TEXT] [--tokens N] [--ctx C] [--width W]
-    moeflow trace replay t.jsonl --slots 8 16 --policy lru random_oldest predictive belady --prefetch 0 2
+    moeflow trace replay t.jsonl --slots 8 16 --policy lru random_oldest predictive adaptive belady --prefetch 0 2
     moeflow trace stats t.jsonl
     moeflow trace plot t.jsonl --slots 12 [--out DIR]
 
@@ -47,13 +47,19 @@ def default_text(n_bytes: int) -> tuple[bytes, list[str]]:
     return data[:n_bytes], used
 
 
-def _format_table(rows: Iterable) -> str:
-    head = f"{'policy':<14}{'slots':>6}{'prefetch':>9}{'hit_rate':>9}{'miss/tok':>9}{'pf_prec':>8}{'pf_rec':>8}" \
-           f"{'MB_copied':>11}"
+def _format_table(rows: Iterable, lru_bytes: dict[int, int] | None = None) -> str:
+    """One line per replay: misses and bytes side by side; `vs_lru` = bytes / LRU's bytes (no prefetch)
+    at the same slots (lru_bytes: slots -> bytes; '-' when unknown)."""
+    head = (f"{'policy':<14}{'slots':>6}{'pf':>4}{'hits':>9}{'misses':>9}{'hit_rate':>9}{'miss/tok':>9}"
+            f"{'pf_iss':>8}{'pf_used':>8}{'pf_wast':>8}{'MB_copied':>11}{'KB/tok':>10}{'vs_lru':>8}")
     lines = [head, "-" * len(head)]
     for r in rows:
-        lines.append(f"{r.policy:<14}{r.slots:>6}{r.prefetch:>9}{r.hit_rate:>9.3f}{r.misses_per_token:>9.3f}"
-                     f"{r.prefetch_precision:>8.3f}{r.prefetch_recall:>8.3f}{r.bytes_copied / 1e6:>11.2f}")
+        base = (lru_bytes or {}).get(r.slots)
+        ratio = f"{r.bytes_copied / base:>8.3f}" if base else f"{'-':>8}"
+        per_tok = r.bytes_copied / r.tokens / 1e3 if r.tokens else 0.0
+        lines.append(f"{r.policy:<14}{r.slots:>6}{r.prefetch:>4}{r.hits:>9}{r.misses:>9}{r.hit_rate:>9.3f}"
+                     f"{r.misses_per_token:>9.3f}{r.prefetch_issued:>8}{r.prefetch_used:>8}{r.prefetch_wasted:>8}"
+                     f"{r.bytes_copied / 1e6:>11.2f}{per_tok:>10.1f}{ratio}")
     return "\n".join(lines)
 
 
@@ -75,13 +81,21 @@ def _cmd_replay(args: argparse.Namespace) -> int:
             for pf in args.prefetch:
                 if policy == "belady" and pf:
                     continue
-                rows.append(replay(trace, slots, policy, pf, seed=args.seed))
+                rows.append(replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width))
+    # the reference of the bytes ratio: plain LRU at each cache size (replayed when not asked for)
+    lru_bytes = {r.slots: r.bytes_copied for r in rows if r.policy == "lru" and r.prefetch == 0}
+    for slots in args.slots:
+        if slots not in lru_bytes:
+            lru_bytes[slots] = replay(trace, slots, "lru", 0).bytes_copied
     order = "prefill passes as recorded" if args.prefill else "decode order, one pass per token"
-    print(f"{args.path}: {rows[0].tokens if rows else 0} tokens, {order}")
-    print(_format_table(rows))
+    print(f"{args.path}: {rows[0].tokens if rows else 0} tokens, {order}; vs_lru = bytes copied / LRU's "
+          f"(no prefetch) at the same slots")
+    print(_format_table(rows, lru_bytes))
     if args.json:
         with open(args.json, "w") as f:
-            json.dump([r.as_dict() for r in rows], f, indent=1)
+            json.dump([dict(r.as_dict(), bytes_per_token=r.bytes_copied / r.tokens if r.tokens else 0.0,
+                            bytes_vs_lru=r.bytes_copied / lru_bytes[r.slots] if lru_bytes[r.slots] else None)
+                       for r in rows], f, indent=1)
     return 0
 
 
@@ -188,6 +202,8 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     r.add_argument("--policy", nargs="+", default=["lru"], choices=REPLAY_POLICIES)
     r.add_argument("--prefetch", type=int, nargs="+", default=[0], help="prefetch widths (0: off)")
     r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--predict-width", type=int, default=None,
+                   help="predictions per token the predictive/adaptive policies see with prefetch off (default K)")
     _order_flags(r)
     r.add_argument("--json", default=None, help="also write the rows as JSON")
     r.set_defaults(func=_cmd_replay)
@@ -211,7 +227,7 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     pl = acts.add_parser("plot", help="PNG: expert load heatmap and cache hit rate over decode steps per policy")
     pl.add_argument("path")
     pl.add_argument("--slots", type=int, required=True)
-    pl.add_argument("--policy", nargs="+", default=["lru", "random_oldest", "predictive", "belady"],
+    pl.add_argument("--policy", nargs="+", default=["lru", "random_oldest", "predictive", "adaptive", "belady"],
                     choices=REPLAY_POLICIES)
     pl.add_argument("--prefetch", type=int, nargs="+", default=[0])
     _order_flags(pl)

@@ -10,6 +10,9 @@ Registered names:
     "triton"     `moeflow.experts.triton` when it imports (Triton installed): the
                  module's `TritonExperts` class (or an `IMPL` instance). Imported lazily;
                  an ImportError leaves it unregistered.
+    "triton_quant", "triton_quant_bi"
+                 `moeflow.experts.triton_quant.TritonQuantExperts` (quantized weights:
+                 fp8_block, mxfp4, nvfp4; "_bi" its batch-invariant mode), registered the same way.
 
 "auto": "triton" on CUDA when it is available and its `supports(config)` accepts,
 else "grouped". A requested name that is unknown, refused by `supports(config)`, or
@@ -17,7 +20,7 @@ not built for the device raises ValueError carrying the reason.
 
 Quantized weights (`quant=` a moeflow.quant.QuantSpec): only an impl whose
 `quant_formats` attribute names the format runs them ("reference" runs every format);
-"auto" takes the first of triton (CUDA), reference that does.
+"auto" takes the first of triton_quant (CUDA), triton (CUDA), reference that does.
 """
 
 from __future__ import annotations
@@ -67,10 +70,21 @@ def _triton_bi_impl():
     return TritonExperts(batch_invariant=True)
 
 
+@functools.lru_cache(maxsize=2)
+def _triton_quant_impl(batch_invariant: bool = False):
+    """The quantized-weights Triton impl (batch-invariant mode or not), or None when it does not import."""
+    try:
+        mod = importlib.import_module("moeflow.experts.triton_quant")
+    except ImportError:
+        return None
+    return mod.TritonQuantExperts(batch_invariant=batch_invariant)
+
+
 def available_impls() -> tuple[str, ...]:
     """Names get_impl accepts in this environment."""
     names = ("reference", "grouped")
-    return names + (("triton", "triton_bi") if _triton_impl() is not None else ())
+    names += ("triton", "triton_bi") if _triton_impl() is not None else ()
+    return names + (("triton_quant", "triton_quant_bi") if _triton_quant_impl() is not None else ())
 
 
 def get_impl(name: str):
@@ -91,6 +105,11 @@ def get_impl(name: str):
             raise ValueError(
                 f"experts impl {name!r}: unavailable (moeflow.experts.triton or the triton package does not import)"
             )
+        return impl
+    if name in ("triton_quant", "triton_quant_bi"):
+        impl = _triton_quant_impl(name == "triton_quant_bi")
+        if impl is None:
+            raise ValueError(f"experts impl {name!r}: unavailable (moeflow.experts.triton_quant does not import)")
         return impl
     raise ValueError(f"experts impl {name!r}: unknown, expected one of {available_impls()} or 'auto'")
 
@@ -152,7 +171,8 @@ def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, r
             raise TypeError(f"quant: expected a QuantSpec or None, got {type(quant).__name__}")
         if requested == "auto":
             triton = _triton_impl() if device.type == "cuda" else None
-            for impl in (triton, _REFERENCE):
+            triton_quant = _triton_quant_impl() if device.type == "cuda" else None
+            for impl in (triton_quant, triton, _REFERENCE):
                 if (impl is not None and _quant_ok(impl, quant)[0] and impl.supports(config)[0]
                         and _device_ok(impl, device)[0]):
                     return impl

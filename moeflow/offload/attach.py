@@ -24,6 +24,16 @@ Per layer step, `OffloadedExperts.run`:
 When one step touches more distinct experts than there are slots (a long prefill), the
 experts run in groups of <= S, every expert still seeing all its rows in order.
 
+CPU execution of missed experts (OffloadConfig.cpu_experts "auto" / "always",
+moeflow.offload.cpu_experts): after the read-back, the step's experts that are not resident
+are split into those copied (as above) and those run on the CPU from the store's host
+tensors (never copied, never placed in a slot). The CPU experts' rows go to the host first
+(their copy ordered before the GPU experts' kernels, so waiting for it never waits for
+them), then the GPU experts are launched (asynchronous on CUDA), then the CPU rows are
+computed, copied back and written into their rows of y: combine then sums every row in
+slot order, as it does for the resident model. A fused TokenBatch is run as pairs in such
+a step (the local dispatch, then combine_TH). Counters: `cpu_stats()`.
+
 Under expert parallelism each rank's cache holds only its local experts (keys (layer,
 local expert)); the prediction ranks the next layer's experts for this rank's tokens and
 keeps the ones this rank owns.
@@ -41,6 +51,7 @@ from __future__ import annotations
 
 import os
 import threading
+import time
 from collections.abc import Sequence
 
 import torch
@@ -51,6 +62,13 @@ from ..parallel.local import combine_TH, dispatch_rows, local_dispatch, unpermut
 from ..types import ExpertBatch, PairBatch, TokenBatch
 from .cache import CacheStats, ExpertCache
 from .config import OffloadConfig
+from .cpu_experts import (
+    CpuExpertStats,
+    ReuseEstimate,
+    choose_cpu_experts,
+    host_expert_weights,
+    measure_bandwidths,
+)
 from .policy import Key, make_policy
 from .prefetch import Prefetcher
 from .store import ExpertStore, available_host_bytes
@@ -102,9 +120,15 @@ class OffloadRuntime:
     Attributes:
         layers, store, cache, prefetcher, config, device.
         sources: the OffloadedExperts of each layer (position order).
+        cpu_impl: the experts impl the CPU experts run with (config.cpu_experts != "off");
+            None: the step's own impl when the cache is on the CPU (bit-identical rows),
+            "reference" otherwise (F.linear straight on the host tensors, no weight copy).
+        bandwidths: (B_cpu, B_pcie) bytes/s of the cost model ("auto"), measured at the first
+            "auto" step unless `set_bandwidths` gave them; None until then.
     """
 
     def __init__(self, layers: Sequence, store: ExpertStore, config: OffloadConfig) -> None:
+        _check_cpu_experts(config, store)  # before the cache is built from the store
         self.layers = list(layers)
         self.store = store
         self.config = config
@@ -123,6 +147,11 @@ class OffloadRuntime:
         self.lock = threading.RLock()
         self.sources = [OffloadedExperts(self, pos) for pos in range(len(self.layers))]
         self._resident: list = []
+        self.cpu_impl = None
+        self.bandwidths: tuple[float, float] | None = None
+        self._cpu_stats = CpuExpertStats()
+        # hits per copy of the last ~8 tokens of layer steps (the cost model's reuse r)
+        self.reuse = ReuseEstimate(alpha=1.0 / (8 * len(self.layers)))
 
     # ---- sources ---------------------------------------------------------------------------
     def install(self) -> None:
@@ -172,6 +201,22 @@ class OffloadRuntime:
         used = sorted({e for e in ids_host if e < E})
         pred_keys = self.prefetcher.local_keys(pos, pred_host)
         self.prefetcher.protect(pred_keys)
+        self._cpu_stats.demand_keys += len(used)
+        if self.config.cpu_experts != "off":
+            cpu_set = self._choose_cpu(pos, impl, config, ids_host, used)
+            if cpu_set:
+                return self._run_with_cpu(pos, impl, batch, config, ids_host, used, cpu_set, pred_keys)
+            before = self._load_counts()
+            y = self._run_cached(pos, impl, batch, config, ids, ids_host, used, pred_keys)
+            self._observe_reuse(before)
+            return y
+        return self._run_cached(pos, impl, batch, config, ids, ids_host, used, pred_keys)
+
+    def _run_cached(self, pos, impl, batch: ExpertBatch, config: MoEConfig, ids, ids_host, used, pred_keys
+                    ) -> torch.Tensor:
+        """Every expert of the step from the slot cache (the path of cpu_experts="off")."""
+        tokens = isinstance(batch, TokenBatch)
+        E = self.store.num_experts[pos]
         S = self.cache.num_slots
         w = self.cache.weights
         if len(used) <= S:
@@ -233,12 +278,160 @@ class OffloadRuntime:
         return combine_TH(unpermute_TKH(y_NH, d), batch.weights_TK, weight_on_input=on_input,
                           out_dtype=batch.x_TH.dtype)
 
+    # ---- CPU execution of missed experts ---------------------------------------------------
+    def set_bandwidths(self, cpu_Bps: float, pcie_Bps: float) -> None:
+        """Give the cost model its bandwidths (bytes/s) instead of measuring them at the first "auto" step."""
+        for name, v in (("cpu_Bps", cpu_Bps), ("pcie_Bps", pcie_Bps)):
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
+                raise ValueError(f"set_bandwidths: {name}={v!r}, expected a number of bytes/s > 0")
+        self.bandwidths = (float(cpu_Bps), float(pcie_Bps))
+
+    def _cpu_impl_for(self, impl):
+        if self.cpu_impl is not None:
+            return self.cpu_impl
+        if self.device.type == "cpu":
+            return impl  # the step's own impl: each CPU expert's rows get the resident bits
+        from ..experts.select import get_impl
+
+        return get_impl("reference")
+
+    def _load_counts(self) -> tuple[int, int]:
+        s = self.cache.table.stats
+        return s.hits, s.misses + s.prefetch_issued
+
+    def _observe_reuse(self, before: tuple[int, int]) -> None:
+        hits, loads = self._load_counts()
+        self.reuse.update(hits - before[0], loads - before[1])
+
+    def _choose_cpu(self, pos: int, impl, config: MoEConfig, ids_host: list[int], used: list[int]) -> set[int]:
+        """The step's experts to run on the CPU: the misses ("always"), or the cost model's pick ("auto")."""
+        resident = self.cache.table.key_to_slot
+        missing = [e for e in used if (pos, e) not in resident]
+        if not missing:
+            return set()
+        if self.config.cpu_experts == "always":
+            return set(missing)
+        if self.cache.table.free:
+            return set()  # the cache is still warming up: a copy into a free slot evicts nothing
+        if self.bandwidths is None:
+            self.bandwidths = measure_bandwidths(self.store, self._cpu_impl_for(impl), config, self.device)
+        rows: dict[int, int] = dict.fromkeys(missing, 0)
+        for e in ids_host:
+            if e in rows:
+                rows[e] += 1
+        cpu_Bps, pcie_Bps = self.bandwidths
+        return choose_cpu_experts(rows, cpu_Bps=cpu_Bps, pcie_Bps=pcie_Bps, reuse=self.reuse.reuse)
+
+    def _run_with_cpu(self, pos, impl, batch: ExpertBatch, config: MoEConfig, ids_host, used, cpu_set, pred_keys
+                      ) -> torch.Tensor:
+        """A step whose experts `cpu_set` run on the CPU: a fused batch as pairs, then the pair path."""
+        E = self.store.num_experts[pos]
+        if not isinstance(batch, TokenBatch):
+            return self._pairs_with_cpu(pos, impl, scaled_rows(batch, config), batch.expert_N, ids_host, config,
+                                        used, cpu_set, pred_keys)
+        d = local_dispatch(batch.ids_TK, E)
+        on_input = config.router.weight_on_input
+        w_N = batch.weights_TK.reshape(-1).index_select(0, d.order_N).to(torch.float32) if on_input else None
+        x_NH = scaled_rows(PairBatch(dispatch_rows(batch.x_TH, d), d.expert_N, None, w_N), config)
+        # the pairs' experts in dispatch order from the host ids (a stable sort, as local_dispatch's):
+        # no second device read
+        order = sorted(range(len(ids_host)), key=ids_host.__getitem__)
+        y_NH = self._pairs_with_cpu(pos, impl, x_NH, d.expert_N, [ids_host[p] for p in order], config, used,
+                                    cpu_set, pred_keys)
+        return combine_TH(unpermute_TKH(y_NH, d), batch.weights_TK, weight_on_input=on_input,
+                          out_dtype=batch.x_TH.dtype)
+
+    def _pairs_with_cpu(self, pos, impl, x_NH, expert_N, ex_host, config, used, cpu_set, pred_keys
+                        ) -> torch.Tensor:
+        """y_NH [N, H]: the rows of `cpu_set`'s experts computed on the CPU, the others from the cache.
+
+        x_NH: [N, H] the rows as the experts see them (llama4: already w * x); expert_N: int [N]
+        (device); ex_host: the same ids as a host list.
+        """
+        S = self.cache.num_slots
+        E = self.store.num_experts[pos]
+        dev = x_NH.device
+        cuda = dev.type == "cuda"
+        cpu_rows = [n for n, e in enumerate(ex_host) if e in cpu_set]
+        gpu_rows = [n for n, e in enumerate(ex_host) if e not in cpu_set]
+        gpu_used = [e for e in used if e not in cpu_set]
+
+        def to_dev(rows: list[int]) -> torch.Tensor:
+            t = torch.tensor(rows, dtype=torch.int64)
+            # pinned + non_blocking: a pageable upload would wait for the GPU experts' kernels
+            return t.pin_memory().to(dev, non_blocking=True) if cuda else t
+
+        cpu_idx, gpu_idx = to_dev(cpu_rows), (to_dev(gpu_rows) if gpu_rows else None)
+        # 1. the CPU rows to the host, ordered before the GPU experts: waiting for them never waits for those
+        x_cpu = x_NH.index_select(0, cpu_idx)
+        ready = None
+        if cuda:
+            host = torch.empty(x_cpu.shape, dtype=x_cpu.dtype, pin_memory=True)
+            host.copy_(x_cpu, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record(torch.cuda.current_stream(dev))
+            x_cpu = host
+        elif x_cpu.device.type != "cpu":
+            x_cpu = x_cpu.to("cpu")
+        # 2. the GPU experts (asynchronous on CUDA)
+        y_NH = torch.empty_like(x_NH)
+        before = self._load_counts()
+        if gpu_rows:
+            x_g = x_NH.index_select(0, gpu_idx)
+            e_g = expert_N.index_select(0, gpu_idx)
+            if len(gpu_used) <= S:
+                slots = self.cache.ensure([(pos, e) for e in gpu_used])
+                self.prefetcher.issue(pred_keys)
+                lut = self._fill_lut(pos, gpu_used, slots, E, 0)
+                y_g = impl.forward_pairs(x_g, torch.index_select(lut, 0, e_g.to(torch.int32)), self.cache.weights,
+                                         config)
+            else:
+                y_g = self._pairs_chunked(pos, impl, x_g, e_g, [ex_host[n] for n in gpu_rows], config, gpu_used,
+                                          pred_keys)
+            y_NH.index_copy_(0, gpu_idx, y_g)
+        else:
+            self.cache.ensure([])  # a step all the same: last step's pins lapse
+            self.prefetcher.issue(pred_keys)
+        self._observe_reuse(before)
+        # 3. the CPU experts, each on its rows in their order, from the store's host tensors
+        if ready is not None:
+            ready.synchronize()
+        t0 = time.perf_counter()
+        cpu_impl = self._cpu_impl_for(impl)
+        y_cpu = torch.empty_like(x_cpu)
+        local: dict[int, list[int]] = {}
+        for i, n in enumerate(cpu_rows):
+            local.setdefault(ex_host[n], []).append(i)
+        for e in sorted(local):
+            li = torch.tensor(local[e], dtype=torch.int64)
+            w_e = host_expert_weights(self.store, pos, e)
+            y_cpu.index_copy_(0, li, cpu_impl.forward_pairs(x_cpu.index_select(0, li),
+                                                             torch.zeros(len(li), dtype=torch.int64), w_e, config))
+        st = self._cpu_stats
+        st.cpu_s += time.perf_counter() - t0
+        st.cpu_steps += 1
+        st.cpu_experts += len(local)
+        st.cpu_rows += len(cpu_rows)
+        st.bytes_not_copied += len(local) * self.store.expert_bytes
+        # 4. the CPU results into their rows (combine sums all rows in slot order afterwards)
+        if cuda:
+            y_cpu = y_cpu.pin_memory().to(dev, non_blocking=True)
+        else:
+            y_cpu = y_cpu.to(dev)
+        y_NH.index_copy_(0, cpu_idx, y_cpu)
+        return y_NH
+
     # ---- reporting ------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         return self.cache.stats()
 
+    def cpu_stats(self) -> CpuExpertStats:
+        """Counters of CPU execution of missed experts (config.cpu_experts; they add up with stats())."""
+        return self._cpu_stats
+
     def reset_stats(self) -> None:
         self.cache.reset_stats()
+        self._cpu_stats.__init__()
 
 
 def _read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[int], list[list[int]] | None]:
@@ -252,6 +445,14 @@ def _read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[in
     T = int(pred_TW.shape[0])
     pred = [both[n + t * W : n + (t + 1) * W] for t in range(T)]
     return both[:n], pred
+
+
+def _check_cpu_experts(config: OffloadConfig, store_or_weights) -> None:
+    """ValueError naming OffloadConfig.cpu_experts when the experts cannot run on the CPU (quantized)."""
+    quant = getattr(store_or_weights, "quant", None)
+    if config.cpu_experts != "off" and quant is not None:
+        raise ValueError(f"OffloadConfig.cpu_experts={config.cpu_experts!r}: quantized experts (format "
+                         f"{getattr(quant, 'format', quant)!r}) are not run on the CPU; expected cpu_experts='off'")
 
 
 def _resident_weights(layer, i: int) -> ExpertWeights:
@@ -294,6 +495,7 @@ def check_offload(layers: Sequence, config: OffloadConfig) -> list[ExpertWeights
             raise TypeError(f"layers[{i}]: expected a MoELayer, got {type(layer).__name__}")
     config.check_layers([layer.config.top_k for layer in layers], [layer.config.num_experts for layer in layers])
     weights = [_resident_weights(layer, i) for i, layer in enumerate(layers)]
+    _check_cpu_experts(config, weights[0])
     dev = torch.device(config.resolved_device())
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"OffloadConfig.device={config.device!r}: CUDA is not available on this machine")

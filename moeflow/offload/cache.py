@@ -114,8 +114,32 @@ class SlotTable:
         self.order: OrderedDict[int, None] = OrderedDict()
         self.free: list[int] = list(range(num_slots - 1, -1, -1))  # pop() gives slot 0 first
         self.prefetched: set[int] = set()  # slots loaded by prefetch, not yet used
-        self.protected: frozenset[Key] = frozenset()  # what the predictor wants next
+        self._protected: frozenset[Key] = frozenset()  # what the predictor wants next
+        self.predicted: tuple[Key, ...] = ()  # the same keys, best prediction first
         self.stats = CacheStats()
+        # Optional policy hooks (duck-typed so LRU & co. stay as they were):
+        #   observe(table, keys)          every acquire, before its hits and misses are served;
+        #   admit_prefetch(table, key)    False skips a guess before any slot is chosen.
+        self.set_policy(policy)
+
+    def set_policy(self, policy: EvictionPolicy) -> None:
+        """Swap the eviction policy (its hooks included); the slots and stats stay as they are."""
+        self.policy = policy
+        self._observe = getattr(policy, "observe", None)
+        self._admit = getattr(policy, "admit_prefetch", None)
+
+    @property
+    def protected(self) -> frozenset[Key]:
+        """The keys the predictor wants next (prefetch never evicts them; 'predictive' spares them)."""
+        return self._protected
+
+    @protected.setter
+    def protected(self, keys: Iterable[Key]) -> None:
+        # An ordered iterable (a list best-first, as the Prefetcher gives) keeps its rank order in
+        # `predicted` for policies that weigh a prediction by its rank; a set gives an arbitrary order.
+        ranked = tuple(dict.fromkeys(keys))
+        self.predicted = ranked
+        self._protected = frozenset(ranked)
 
     # ---- queries -------------------------------------------------------------------------
     def is_pinned(self, slot: int) -> bool:
@@ -180,6 +204,8 @@ class SlotTable:
             raise ValueError(
                 f"a step needs {len(want)} distinct experts but the cache has gpu_slots={self.num_slots}"
             )
+        if self._observe is not None:
+            self._observe(self, want)
         slots: dict[Key, int] = {}
         missing: list[Key] = []
         for key in want:
@@ -211,16 +237,20 @@ class SlotTable:
         """Plan copies of the not-yet-resident `keys` into free or evictable slots.
 
         Never evicts a pinned slot or a protected key (what the predictor wants); a key
-        is skipped when no such slot exists or the policy declines. Returns [(key, slot)].
+        is skipped when no such slot exists or the policy declines (`admit_prefetch` False,
+        or victim None). Returns [(key, slot)].
         """
         loads: list[tuple[Key, int]] = []
         batch = list(dict.fromkeys(keys))
-        saved = self.protected
+        saved = self._protected
         # the batch's own keys are wanted too: a later guess never displaces an earlier one
-        self.protected = saved | frozenset(batch)
+        # (set on the field, not the property: `predicted`, the rank order, stays as it was)
+        self._protected = saved | frozenset(batch)
         try:
             for key in batch:
                 if key in self.key_to_slot:
+                    continue
+                if self._admit is not None and not self._admit(self, key):
                     continue
                 slot = self.free.pop() if self.free else self.policy.victim(self, for_prefetch=True)
                 if slot is None:
@@ -233,7 +263,7 @@ class SlotTable:
                 self.stats.bytes_copied += self.expert_bytes
                 loads.append((key, slot))
         finally:
-            self.protected = saved
+            self._protected = saved
         return loads
 
     def check_invariants(self) -> None:
@@ -433,8 +463,9 @@ class ExpertCache:
         return len(loads)
 
     def protect(self, keys: Iterable[Key]) -> None:
-        """The predictor's wanted keys: prefetch never evicts them; 'predictive' spares them too."""
-        self.table.protected = frozenset(keys)
+        """The predictor's wanted keys, best first: prefetch never evicts them; 'predictive' spares them
+        too; 'adaptive' weighs each by its rank's measured precision (so the order is kept)."""
+        self.table.protected = list(keys)
 
     def stats(self) -> CacheStats:
         self.engine.harvest(self.table.stats)

@@ -9,8 +9,12 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-POLICIES: tuple[str, ...] = ("lru", "random_oldest", "predictive")
+from .policy import POLICIES, PREDICTIVE_POLICIES  # the registry lives with the policies
+
 STORES: tuple[str, ...] = ("auto", "pinned", "mmap", "model")
+# Where a missed expert runs (moeflow.offload.cpu_experts): copied into a slot ("off"), the
+# cost model's choice per step ("auto"), or on the CPU from host memory ("always").
+CPU_EXPERTS: tuple[str, ...] = ("off", "auto", "always")
 
 
 def _is_int(v: object) -> bool:
@@ -47,7 +51,9 @@ class OffloadConfig:
                     (uniform among the oldest `oldest_fraction` of the slots, seeded: the
                     policy the seed's engine measured better than LRU for decode), or
                     "predictive" (random_oldest that never evicts an expert the next-layer
-                    predictor wants while another candidate exists).
+                    predictor wants while another candidate exists), or "adaptive" (evicts the
+                    key least likely to be used within the cache's lifetime: layer-cyclic reuse,
+                    decayed frequency and the predictor's measured precision; moeflow.offload.policy).
     prefetch_width: W experts per token predicted for the next layer and copied ahead on a
                     side stream (0: no prefetch copies). May exceed K.
     predict_width:  experts per token the "predictive" policy protects when prefetch is off
@@ -68,6 +74,13 @@ class OffloadConfig:
     seed:           seed of the eviction RNG (runs are reproducible).
     measure_wait:   time the compute stream's waits on copies with CUDA events (read back
                     without host syncs, by event queries); off: wait time reads 0.
+    cpu_experts:    an expert not resident in the cache: "off" copies it into a slot (the
+                    resident model's bits); "auto" computes its rows on the CPU from host
+                    memory when the cost model says that beats the copy (measured CPU GEMV
+                    and host->device bandwidths, the cache's recent reuse:
+                    moeflow.offload.cpu_experts); "always" runs every miss on the CPU (tests,
+                    llama.cpp --n-cpu-moe-like runs). Unquantized experts only. Numerical
+                    contract: docs/offload.md, "CPU execution of missed experts".
     """
 
     gpu_slots: int
@@ -80,6 +93,7 @@ class OffloadConfig:
     oldest_fraction: float = 0.0625
     seed: int = 0
     measure_wait: bool = True
+    cpu_experts: str = "off"
 
     def __post_init__(self) -> None:
         if not _is_int(self.gpu_slots) or self.gpu_slots < 1:
@@ -116,6 +130,8 @@ class OffloadConfig:
             raise ValueError(f"OffloadConfig.seed={self.seed!r}: expected an int")
         if not isinstance(self.measure_wait, bool):
             raise TypeError(f"OffloadConfig.measure_wait={self.measure_wait!r}: expected a bool")
+        if not isinstance(self.cpu_experts, str) or self.cpu_experts not in CPU_EXPERTS:
+            raise ValueError(f"OffloadConfig.cpu_experts={self.cpu_experts!r}: expected one of {CPU_EXPERTS}")
 
     def check_layers(self, top_ks: list[int], num_experts: list[int]) -> None:
         """ValueError when the slots cannot hold one step of the widest layer.
@@ -155,6 +171,6 @@ class OffloadConfig:
         """Experts per token the predictor ranks for the next layer (0: no prediction needed)."""
         if self.prefetch_width > 0:
             return self.prefetch_width
-        if self.policy == "predictive":
+        if self.policy in PREDICTIVE_POLICIES:
             return self.predict_width if self.predict_width is not None else top_k
         return 0

@@ -19,6 +19,9 @@ Policies:
                     slightly larger than the cache.
     Predictive      RandomOldest over the candidates the predictor does not want next;
                     only when every candidate is wanted does it fall back to all of them.
+    Adaptive        the key least likely to be used within the cache's characteristic time,
+                    from online hazards per (layer, age, aged-frequency bucket) and the
+                    predictor's measured per-rank precision; gated prefetch (see the class).
     Belady          (replay only) the candidate whose next use lies furthest ahead: the
                     optimal number of misses, the ceiling the others are measured against.
 """
@@ -27,7 +30,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -111,13 +114,248 @@ class Belady:
         return best
 
 
+
+
+
+class Adaptive:
+    """Evict the key least likely to be used before the cache would drop it anyway (online, learned).
+
+    Decode visits layers in a cycle 0, 1, ..., L-1, 0, ... (one visit = one `acquire`), so a
+    key (j, e) can next be used only at a visit of layer j: d_j steps ahead (d_j in 1..L; the
+    layer just served is the furthest), then every L steps. Within the cache's characteristic
+    time T (S / evictions per step, measured) layer j is visited n_j = 1 + (T - d_j) // L times,
+    and the value of keeping a key is
+
+        P(use within T) = 1 - prod_{i < n_j} (1 - h_j,b(a + i))
+
+    a:        the key's age at layer j's next visit, in visits of layer j since its last use
+              (capped at max_age);
+    b:        its frequency bucket: log2 of an exponentially aged use frequency per visit
+              (EMA with `decay`, fixed at its last use), so a hot expert and a cold one of
+              the same age are told apart (LFU with ageing);
+    h_j,b(a): the share of experts of layer j, bucket b, age a that are used at a visit: Kaplan-
+              Meier counts with censoring, learned online from the steps themselves (a weak
+              prior h = 1/2 until counts arrive);
+    the next layer's keys (d_j = 1) take the next-layer predictor's word for the first visit:
+    a key predicted at rank r has the precision measured for rank r so far, an unpredicted
+    one h times the measured miss factor (1 - recall) / (1 - W / E_j).
+
+    The victim is the candidate of least value (ties: the least recently used). Prefetch
+    (`admit_prefetch`): a guess is copied only when its rank's measured precision is at least
+    `prefetch_min`, and then only over a resident key worth less than the guess (victim None
+    otherwise): a guess never displaces a key with a higher chance of use.
+
+    Invariants: chooses only among `table.candidates` (never a pinned slot; protected keys
+    excluded for a prefetch); deterministic (no RNG; `seed` is accepted for make_policy's
+    signature); per step O(E_j + buckets * max_age) bookkeeping, a victim O(S).
+    """
+
+    name = "adaptive"
+
+    def __init__(self, num_slots: int, *, max_age: int = 64, decay: float = 0.995, buckets: int = 8,
+                 prefetch_min: float = 0.6, seed: int = 0) -> None:
+        if not isinstance(max_age, int) or max_age < 2:
+            raise ValueError(f"max_age={max_age!r}: expected an int >= 2")
+        if not 0.0 <= prefetch_min <= 1.0:
+            raise ValueError(f"prefetch_min={prefetch_min!r}: expected a float in [0, 1]")
+        if not 0.0 < decay < 1.0:
+            raise ValueError(f"decay={decay!r}: expected a float in (0, 1)")
+        if not isinstance(buckets, int) or buckets < 1:
+            raise ValueError(f"buckets={buckets!r}: expected an int >= 1")
+        self.num_slots = num_slots
+        self.A = max_age
+        self.decay = decay
+        self.NB = buckets
+        self.prefetch_min = prefetch_min
+        self.L = 0  # layers seen (grown on demand; keys name their layer)
+        self.visits: list[int] = []  # per layer: visits so far
+        self.E: list[int] = []  # per layer: 1 + the largest expert id seen
+        # Kaplan-Meier counts per layer and age 1..A: visits at which a key of that age was at
+        # risk / was used. Seeded with a weak prior h = 1/2 so the first estimates are finite.
+        self.risk: list[list[list[float]]] = []  # [layer][bucket][age]
+        self.used: list[list[list[float]]] = []
+        self.C: list[list[list[float]]] = []  # [layer][bucket][a]: sum of -log(1 - h) over ages 1..a
+        self.last_use: dict[Key, int] = {}  # key -> its layer's visit index at its last use
+        self.freq: dict[Key, float] = {}  # key -> use frequency per visit (EMA) at its last use
+        self.bucket: dict[Key, int] = {}  # key -> the frequency bucket of that EMA
+        self.known: list[dict[int, int]] = []  # per layer: expert -> visit index of its last use
+        self.cur = -1  # the layer of the current step
+        # predictor: per rank, predictions scored / used; predicted-layer uses / of them predicted
+        self.rank_n: list[float] = []
+        self.rank_u: list[float] = []
+        self.rec_n = 1.0
+        self.rec_u = 0.5
+        self.pred_share = 0.0  # running |predicted| / E_j of the predicted layer
+        self._last_pred: tuple[Key, ...] = ()
+        self._rank: dict[Key, int] = {}
+        self._pf_value = 1.0  # the guess under consideration: its use probability
+        self.ev_rate = 1.0  # evictions per step (EMA)
+        self._evicted = 0  # evictions since the last step
+
+    # ---- bookkeeping -----------------------------------------------------------------------
+    def _grow(self, layer: int) -> None:
+        while self.L <= layer:
+            self.visits.append(0)
+            self.E.append(1)
+            self.risk.append([[0.0] + [2.0] * self.A for _ in range(self.NB)])
+            self.used.append([[0.0] + [1.0] * self.A for _ in range(self.NB)])
+            self.C.append([[0.0] * (self.A + 1) for _ in range(self.NB)])
+            self.known.append({})
+            self.L += 1
+
+    def _hazard(self, j: int, b: int, a: int) -> float:
+        a = min(max(a, 1), self.A)
+        return self.used[j][b][a] / self.risk[j][b][a]
+
+    def _refresh(self, j: int, b: int) -> None:
+        """C_j,b: cumulative hazards from the current counts (O(A), once per visit of layer j)."""
+        C = self.C[j][b]
+        acc = 0.0
+        for a in range(1, self.A + 1):
+            acc += -math.log(max(1e-9, 1.0 - self._hazard(j, b, a)))
+            C[a] = acc
+
+    def _survive(self, j: int, b: int, a0: int, n: int) -> float:
+        """P(no use at the n visits at ages a0 .. a0 + n - 1 | none before), from C_j,b."""
+        C, A = self.C[j][b], self.A
+
+        def cum(x: int) -> float:
+            return C[x] if x <= A else C[A] + (x - A) * (C[A] - C[A - 1])
+
+        return math.exp(-(cum(a0 + n - 1) - cum(a0 - 1)))
+
+    def _bucket_of(self, f: float) -> int:
+        # log2 buckets: [0, 2^-(NB-1)), ..., [1/4, 1/2), [1/2, 1]
+        b = self.NB - 1
+        while b > 0 and f < 0.5 ** (self.NB - 1 - b + 1):
+            b -= 1
+        return b
+
+    def observe(self, table, keys: Sequence[Key]) -> None:
+        """SlotTable hook, before a step's keys are served: learn from the step, then take the
+        predictor's current keys (table.predicted, best first) for the next layer."""
+        by_layer: dict[int, list[int]] = {}
+        for j, e in keys:
+            by_layer.setdefault(j, []).append(e)
+        for j, experts in by_layer.items():
+            self._grow(j)
+            self.visits[j] += 1
+            v = self.visits[j]
+            self.cur = j
+            self.E[j] = max(self.E[j], max(experts) + 1)
+            # Kaplan-Meier with censoring: at this visit every known expert of the layer was at
+            # risk at its current age (in the bucket fixed at its last use), and the used ones were
+            # used at it. Counting only completed gaps would bias h up at long ages (the gaps still
+            # open are the long ones) and keep cold experts too long.
+            risk, used = self.risk[j], self.used[j]
+            now_used = set(experts)
+            for e, u in self.known[j].items():
+                a = min(v - u, self.A)
+                b = self.bucket[(j, e)]
+                risk[b][a] += 1.0
+                if e in now_used:
+                    used[b][a] += 1.0
+            for e in experts:
+                key = (j, e)
+                u = self.known[j].get(e)
+                f = 0.0 if u is None else self.freq[key] * self.decay ** (v - u)
+                f += 1.0 - self.decay
+                self.freq[key] = f
+                self.bucket[key] = self._bucket_of(f)
+                self.known[j][e] = v
+                self.last_use[key] = v
+            touched = range(self.NB)
+            # score the predictions made for this layer (kept from the previous step)
+            pred = [k for k in self._last_pred if k[0] == j]
+            if pred:
+                now = {(j, e) for e in experts}
+                while len(self.rank_n) < len(pred):
+                    self.rank_n.append(2.0)
+                    self.rank_u.append(1.0)
+                for r, k in enumerate(pred):
+                    self.rank_n[r] += 1.0
+                    self.rank_u[r] += k in now
+                ps = set(pred)
+                self.rec_n += len(now)
+                self.rec_u += len(now & ps)
+                self.pred_share = 0.9 * self.pred_share + 0.1 * min(1.0, len(ps) / self.E[j])
+            for b in touched:
+                self._refresh(j, b)
+        self.ev_rate = 0.99 * self.ev_rate + 0.01 * self._evicted
+        self._evicted = 0
+        self._last_pred = tuple(table.predicted)
+        self._rank = {k: r for r, k in enumerate(self._last_pred)}
+
+    # ---- estimates -------------------------------------------------------------------------
+    def _rank_precision(self, r: int) -> float:
+        if r < len(self.rank_n):
+            return self.rank_u[r] / self.rank_n[r]
+        return 0.5
+
+    def horizon(self) -> float:
+        """Steps a key not used again is expected to stay: S / evictions per step (the cache's
+        characteristic time; a use later than that is a miss whatever is kept now)."""
+        return self.num_slots / max(self.ev_rate, 1e-3)
+
+    def use_probability(self, key: Key) -> float:
+        """P(`key` is used within the horizon), the value of keeping it (smaller: a better victim)."""
+        j = key[0]
+        if j >= self.L:
+            return 0.0  # a layer never served: nothing known, nothing wanted
+        L = self.L
+        d = (j - self.cur - 1) % L + 1
+        u = self.last_use.get(key)
+        a = self.A if u is None else min(self.visits[j] + 1 - u, self.A)
+        b = self.bucket.get(key, 0)
+        n = max(1, int((self.horizon() - d) // L) + 1)  # visits of layer j within the horizon
+        if d == 1 and self._rank:
+            r = self._rank.get(key)
+            if r is not None:
+                p = self._rank_precision(r)
+            else:
+                miss = (1.0 - self.rec_u / self.rec_n) / max(1e-6, 1.0 - self.pred_share)
+                p = min(1.0, self._hazard(j, b, a) * miss)
+            rest = self._survive(j, b, a + 1, n - 1) if n > 1 else 1.0
+            return 1.0 - (1.0 - p) * rest
+        return 1.0 - self._survive(j, b, a, n)
+
+    # ---- the policy interface --------------------------------------------------------------
+    def admit_prefetch(self, table, key: Key) -> bool:
+        r = self._rank.get(key)
+        p = self._rank_precision(r) if r is not None else 0.0
+        if p < self.prefetch_min:
+            return False
+        self._pf_value = self.use_probability(key)
+        return True
+
+    def victim(self, table: SlotTable, *, for_prefetch: bool) -> int | None:
+        self._evicted += 1
+        best, best_v = None, 2.0
+        for slot in table.candidates(None, skip_protected=for_prefetch):
+            v = self.use_probability(table.slot_key[slot])
+            if v < best_v:  # strict: ties go to the least recently used (the candidates' order)
+                best, best_v = slot, v
+        if for_prefetch and best is not None and best_v >= self._pf_value:
+            self._evicted -= 1
+            return None  # every evictable key is worth at least the guess
+        return best
+
+
+# The live policies, by OffloadConfig.policy name. PREDICTIVE_POLICIES use the next-layer
+# predictor's keys even with prefetch off (OffloadConfig.prediction_width must give them a width).
+POLICIES: tuple[str, ...] = ("lru", "random_oldest", "predictive", "adaptive")
+PREDICTIVE_POLICIES: tuple[str, ...] = ("predictive", "adaptive")
+
+
 def make_policy(name: str, num_slots: int, *, fraction: float = 0.0625, seed: int = 0) -> EvictionPolicy:
-    """The policy named by OffloadConfig.policy ("lru" | "random_oldest" | "predictive")."""
+    """The policy named by OffloadConfig.policy (one of POLICIES)."""
     if name == "lru":
         return LRU()
     if name == "random_oldest":
         return RandomOldest(num_slots, fraction=fraction, seed=seed)
     if name == "predictive":
         return Predictive(num_slots, fraction=fraction, seed=seed)
-    raise ValueError(f"policy={name!r}: expected one of ('lru', 'random_oldest', 'predictive'); "
+    if name == "adaptive":
+        return Adaptive(num_slots, seed=seed)
+    raise ValueError(f"policy={name!r}: expected one of {POLICIES}; "
                      "'belady' needs the future and exists only in trace replay")

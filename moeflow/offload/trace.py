@@ -45,10 +45,10 @@ from dataclasses import dataclass, field
 import torch
 
 from .cache import CacheRates, SlotTable
-from .policy import Belady, Key, make_policy
+from .policy import POLICIES, PREDICTIVE_POLICIES, Belady, Key, make_policy
 
 TRACE_VERSION = 1
-REPLAY_POLICIES = ("lru", "random_oldest", "predictive", "belady")
+REPLAY_POLICIES = (*POLICIES, "belady")
 
 
 @dataclass
@@ -442,7 +442,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
         pol = make_policy(policy, slots, fraction=oldest_fraction, seed=seed)
     if prefetch > 0:
         width = prefetch
-    elif policy == "predictive":
+    elif policy in PREDICTIVE_POLICIES:
         width = predict_width if predict_width is not None else max(trace.top_k)
     else:
         width = 0
@@ -458,7 +458,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
             last_pass = step.pass_idx
             if per_pass is not None:
                 _close_pass(per_pass, table.stats, marks)
-        table.protected = frozenset(_pred_keys(step, width))
+        table.protected = _pred_keys(step, width)  # best first, as the live Prefetcher gives them
         for g in range(0, max(1, len(keys)), slots):
             table.begin_step()
             table.acquire(keys[g : g + slots])

@@ -1,0 +1,408 @@
+"""Benchmark the quantized Triton experts (`triton_quant`) against the HBM roof and our bf16 kernels (GPU).
+
+Legend: T tokens, K slots, E experts, H hidden, I intermediate per expert; fp8 = fp8_block 128x128
+(W8A8, f32 scales), mxfp4 = gpt-oss MXFP4 (W4A16, interleaved gate/up, biases).
+
+Shapes (shared/spec/benchmarks.md sizes):
+    deepseek-v3    E=256 H=7168 I=2048 K=8   fp8     silu
+    gpt-oss-120b   E=128 H=2880 I=2880 K=4   mxfp4   gptoss, layout "matmul", bf16 biases
+Weights: random bf16 scaled like a trained layer, quantized per expert with moeflow.quant's
+quantizers, stored contiguous [E, out, in] as checkpoints hold them. Routing: uniform, fixed seed.
+
+Per shape:
+    decode T in 1..64   TritonQuantExperts (and the _bi mode) under CUDA-graph replay and eager,
+                        L2 flushed before every timed call (median of --reps); floor = quantized
+                        bytes of the distinct experts touched (weights + scales + biases as stored,
+                        `ExpertWeights.expert_bytes`) + x read + out written, over the HBM roof;
+                        roof_frac = floor / graph time.
+    prefill T=8192      TritonQuantExperts against our bf16 TritonExperts on the bf16 weights the
+                        quantized ones were made from (eager, same routing); speedup = bf16 time /
+                        quantized time; compute floor 2*3*H*I*T*K FLOP over the bf16 mm roof.
+    error               every timed point is checked first against the dequantized-f32 reference
+                        (weight-only: `w.dequantize(float32)` on f32 rows, one expert at a time); fp8
+                        also against the W8A8 reference (activations quantized per token per 128 as
+                        the kernels do, moeflow.quant.formats.quantize_fp8_activations). A point over
+                        the check threshold is reported WRONG and not timed.
+Roofs measured in the same run: HBM = the larger of a streaming read (torch.sum of 2 GiB) and
+benchmarks.common's 2 GiB device copy (read + write bytes / time); compute = 8192^3 bf16 mm.
+
+    PYTHONPATH=. python benchmarks/bench_experts_quant.py --out benchmarks/results/bench_experts_quant_h200.json
+    PYTHONPATH=. python benchmarks/bench_experts_quant.py --shapes deepseek-v3 --tokens 1,8 --no-prefill
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_experts_quant.py --dry-run   # CPU check of the script
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.common import (  # noqa: E402
+    compute_roof_flops,
+    env_info,
+    format_table,
+    hbm_roof_bytes_per_s,
+    time_cpu,
+    time_cuda,
+    time_cuda_graph,
+)
+from benchmarks.tune_experts import patch_interpreter_index, routing  # noqa: E402
+from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
+from moeflow.routing.spec import RouterSpec  # noqa: E402
+
+SHAPES = {
+    "deepseek-v3": dict(H=7168, I=2048, E=256, K=8, fmt="fp8", activation="silu", layout="linear",
+                        interleaved=False, bias=False, limit=None),
+    "gpt-oss-120b": dict(H=2880, I=2880, E=128, K=4, fmt="mxfp4", activation="gptoss", layout="matmul",
+                         interleaved=True, bias=True, limit=7.0),
+    # --dry-run (CPU, Triton interpreter)
+    "tiny-fp8": dict(H=256, I=128, E=8, K=2, fmt="fp8", activation="silu", layout="linear", interleaved=False,
+                     bias=False, limit=None),
+    "tiny-mxfp4": dict(H=128, I=96, E=6, K=2, fmt="mxfp4", activation="gptoss", layout="matmul",
+                       interleaved=True, bias=True, limit=7.0),
+}
+DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
+PREFILL_TOKENS = (8192,)
+# Refuse to time a point whose rel-L2 exceeds this against its check reference (the W8A8 one for fp8).
+CHECK_REL_L2 = 2e-2
+
+
+# --------------------------------------------------------------------------- weights
+def build_weights(spec: dict, device, act_dtype, seed: int = 0) -> tuple[MoEConfig, ExpertWeights, ExpertWeights]:
+    """(config, quantized weights, the plain weights of act_dtype they were quantized from).
+
+    One expert at a time (the quantizers work in f32: a whole layer at once would need several
+    times its bf16 size), written into contiguous [E, out, in] storage.
+    """
+    from moeflow.quant.formats import quantize_fp8_block, quantize_mxfp4
+    from moeflow.quant.spec import MXFP4, fp8_block_spec
+
+    E, H, I = spec["E"], spec["H"], spec["I"]
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I,
+                    router=RouterSpec(score_fn="softmax", num_experts=E, top_k=spec["K"]),
+                    activation=spec["activation"], swiglu_limit=spec["limit"], layout=spec["layout"],
+                    interleaved=spec["interleaved"], expert_bias=spec["bias"])
+    g = torch.Generator(device=device).manual_seed(seed)
+    gu_oi = torch.empty(E, 2 * I, H, dtype=act_dtype, device=device)  # [E, out, in] plain weights
+    dn_oi = torch.empty(E, H, I, dtype=act_dtype, device=device)
+    fp8 = spec["fmt"] == "fp8"
+    if fp8:
+        qspec = fp8_block_spec((128, 128))
+        bn, bk = qspec.block
+        gq = torch.empty(E, 2 * I, H, dtype=torch.float8_e4m3fn, device=device)
+        dq = torch.empty(E, H, I, dtype=torch.float8_e4m3fn, device=device)
+        gs = torch.empty(E, 2 * -(-I // bn), -(-H // bk), dtype=torch.float32, device=device)
+        ds = torch.empty(E, -(-H // bn), -(-I // bk), dtype=torch.float32, device=device)
+    else:
+        qspec = MXFP4
+        gq = torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, device=device)
+        dq = torch.empty(E, H, I // 2, dtype=torch.uint8, device=device)
+        gs = torch.empty(E, 2 * I, H // 32, dtype=torch.uint8, device=device)
+        ds = torch.empty(E, H, I // 32, dtype=torch.uint8, device=device)
+    for e in range(E):
+        gu_oi[e] = torch.randn(2 * I, H, device=device, generator=g).to(act_dtype) * (1.0 / math.sqrt(H))
+        dn_oi[e] = torch.randn(H, I, device=device, generator=g).to(act_dtype) * (1.0 / math.sqrt(I))
+        if fp8:
+            # gate and up are two tensors (their own block grids), as checkpoints store them
+            (q0, s0), (q1, s1) = (quantize_fp8_block(h, (bn, bk)) for h in (gu_oi[e, :I], gu_oi[e, I:]))
+            gq[e] = torch.cat((q0, q1))
+            gs[e] = torch.cat((s0, s1))
+            dq[e], ds[e] = quantize_fp8_block(dn_oi[e], (bn, bk))
+        else:
+            gq[e], gs[e] = quantize_mxfp4(gu_oi[e])
+            dq[e], ds[e] = quantize_mxfp4(dn_oi[e])
+    gb = db = None
+    if spec["bias"]:
+        gb = (torch.randn(E, 2 * I, device=device, generator=g) * 0.1).to(act_dtype)
+        db = (torch.randn(E, H, device=device, generator=g) * 0.1).to(act_dtype)
+    wq = ExpertWeights(gq, dq, gb, db, layout=spec["layout"], interleaved=spec["interleaved"], quant=qspec,
+                       gate_up_scale=gs, down_scale=ds)
+    if spec["layout"] == "matmul":
+        plain = ExpertWeights(gu_oi.transpose(1, 2).contiguous(), dn_oi.transpose(1, 2).contiguous(), gb, db,
+                              layout="matmul", interleaved=spec["interleaved"])
+        del gu_oi, dn_oi
+    else:
+        plain = ExpertWeights(gu_oi, dn_oi, gb, db, layout="linear", interleaved=spec["interleaved"])
+    return cfg, wq, plain
+
+
+# --------------------------------------------------------------------------- references
+def _fake_quant_fp8(v, group=128):
+    from moeflow.quant.formats import quantize_fp8_activations
+
+    q, s = quantize_fp8_activations(v, group)
+    return q.to(torch.float32) * s.repeat_interleave(group, dim=1)[:, : v.shape[1]]
+
+
+def reference(x, ids, wts, wq: ExpertWeights, cfg: MoEConfig, *, w8a8: bool) -> torch.Tensor:
+    """f32 out_TH from the dequantized-f32 weights, one used expert at a time (w8a8: activations
+    fake-quantized per token / pair per 128 channels, as the FP8 kernels do)."""
+    from moeflow.experts.activations import apply_activation
+    from moeflow.experts.base import down_one, gate_up_one
+
+    T, K = ids.shape
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    rows = _fake_quant_fp8(x.float()) if w8a8 else x.float()
+    ids_l = ids.long()
+    for e in torch.unique(ids_l).tolist():
+        t_idx, k_idx = torch.nonzero(ids_l == e, as_tuple=True)
+        we = wq.subset(range(e, e + 1)).dequantize(torch.float32)
+        act = apply_activation(gate_up_one(rows[t_idx], we, 0), cfg)
+        if w8a8:
+            act = _fake_quant_fp8(act)
+        y = down_one(act, we, 0)
+        out.index_put_((t_idx,), y * wts[t_idx, k_idx, None].float(), accumulate=True)
+    return out
+
+
+def error_vs(out, ref) -> tuple[float, float]:
+    d = out.double() - ref.double()
+    return float(d.norm() / ref.double().norm().clamp_min(1e-30)), float(d.abs().max())
+
+
+def patch_interpreter_fp8() -> None:
+    """Dry runs only: Triton 3.6's interpreter rounds f32 -> float8e4nv by its cut-off bit alone (a
+    mantissa carry corrupts the exponent); torch's round-to-nearest-even conversion (what the GPU's
+    cvt.rn does) stands in, so the FP8 check means the same on the CPU as on the GPU."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig = interp.InterpreterBuilder.create_fp_to_fp
+    if getattr(orig, "_moeflow_patched", False):
+        return
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+            return interp.TensorHandle(data.view(torch.uint8).numpy(), tl.float8e4nv)
+        return orig(self, src, dst_type, rounding_mode)
+
+    fp_to_fp._moeflow_patched = True
+    interp.InterpreterBuilder.create_fp_to_fp = fp_to_fp
+
+
+def hbm_read_roof_bytes_per_s() -> float:
+    """A streaming read: torch.sum over 2 GiB of f32 (every byte read once, one scalar written)."""
+    n = 1 << 29
+    a = torch.ones(n, dtype=torch.float32, device="cuda")
+    t = time_cuda(lambda: a.sum(), reps=10, warmup=2, flush=False)
+    return n * 4 / t
+
+
+# --------------------------------------------------------------------------- one shape
+def bench_shape(name: str, spec: dict, args, roofs: dict, timers: dict, dev, act_dtype, t0: float) -> list[dict]:
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    tb = time.time()
+    cfg, wq, plain = build_weights(spec, dev, act_dtype, seed=args.seed)
+    print(f"[{time.time() - t0:6.1f}s] {name}: built {spec['fmt']} weights ({wq.nbytes / 2**30:.2f} GiB quantized, "
+          f"{plain.nbytes / 2**30:.2f} GiB {str(act_dtype).split('.')[-1]}) in {time.time() - tb:.1f}s", flush=True)
+    E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
+    cpu = dev.type == "cpu"
+    quant = TritonQuantExperts(allow_cpu=cpu)
+    quant_bi = TritonQuantExperts(batch_invariant=True, allow_cpu=cpu)
+    bf16 = TritonExperts(allow_cpu=cpu)
+    w8a8 = spec["fmt"] == "fp8"
+    rows: list[dict] = []
+    tokens = [("decode", T) for T in args.decode] + [("prefill", T) for T in args.prefill]
+    for phase, T in tokens:
+        if time.time() - t0 > args.budget_s:
+            rows.append(dict(shape=name, fmt=spec["fmt"], T=T, phase=phase, status="skipped: time budget"))
+            print(f"{name} T={T}: skipped (budget of {args.budget_s:.0f}s)", flush=True)
+            continue
+        ids, wts = routing(T, E, K, "uniform", dev, seed=args.seed)
+        x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, act_dtype)
+        n_distinct = int(torch.unique(ids).numel())
+        bytes_ = n_distinct * wq.expert_bytes + 2 * T * H * x.element_size()
+        flops = 2 * 3 * H * I * T * K
+        floor_hbm, floor_cmp = bytes_ / roofs["hbm"], flops / roofs["compute"]
+        base = dict(shape=name, fmt=spec["fmt"], T=T, phase=phase, distinct_experts=n_distinct,
+                    quant_bytes=bytes_, floor_hbm_s=floor_hbm, floor_compute_s=floor_cmp)
+        ref_w = reference(x, ids, wts, wq, cfg, w8a8=False)
+        ref_c = reference(x, ids, wts, wq, cfg, w8a8=True) if w8a8 else ref_w
+        impls = [("triton_quant", quant), ("triton_quant_bi", quant_bi)]
+        if phase == "prefill":
+            impls.append(("triton_bf16", bf16))
+        times: dict[str, float] = {}
+        for impl_name, impl in impls:
+            w_use = plain if impl_name == "triton_bf16" else wq
+
+            def fn(impl=impl, w_use=w_use, x=x, ids=ids, wts=wts):
+                return impl.forward_tokens(x, ids, wts, w_use, cfg)
+
+            row = dict(base, impl=impl_name)
+            try:
+                out = fn()
+                if impl_name == "triton_bf16":
+                    # the bf16 weights are the unquantized originals: compared with the reference
+                    # of the quantized ones this would count the quantization error; report only
+                    row["rel_l2_vs_dequant_ref"], row["max_abs_vs_dequant_ref"] = error_vs(out.float(), ref_w)
+                    check = 0.0
+                else:
+                    row["rel_l2_vs_dequant_ref"], row["max_abs_vs_dequant_ref"] = error_vs(out.float(), ref_w)
+                    if w8a8:
+                        row["rel_l2_vs_w8a8_ref"], row["max_abs_vs_w8a8_ref"] = error_vs(out.float(), ref_c)
+                    check = row["rel_l2_vs_w8a8_ref"] if w8a8 else row["rel_l2_vs_dequant_ref"]
+                if not math.isfinite(check) or check > args.check_rel_l2:
+                    row["status"] = f"WRONG (rel-L2 {check:.3g} > {args.check_rel_l2}): not timed"
+                    rows.append(row)
+                    continue
+                row["tiles"] = impl.tile_config_for(w_use, K, T).to_dict()
+                row["eager_s"] = timers["eager"](fn)
+                if phase == "decode" and timers.get("graph") is not None:
+                    row["graph_s"] = timers["graph"](fn)
+                best = row.get("graph_s", row["eager_s"])
+                times[impl_name] = row["eager_s"]
+                floor = floor_hbm if phase == "decode" else floor_cmp
+                row.update(roof_frac=floor / best, status="ok")
+            except Exception as exc:  # a point that cannot run says so in the table
+                row["status"] = f"error: {type(exc).__name__}: {str(exc)[:200]}"
+            rows.append(row)
+        if "triton_bf16" in times and "triton_quant" in times:
+            for r in rows[-len(impls):]:
+                if r.get("impl") == "triton_quant":
+                    r["speedup_vs_bf16"] = times["triton_bf16"] / times["triton_quant"]
+        if phase == "decode" and "triton_quant_bi" in times:
+            # batch invariance, checked where it is timed: token 0 alone == token 0 in this batch
+            alone = quant_bi.forward_tokens(x[:1], ids[:1], wts[:1], wq, cfg)
+            full = quant_bi.forward_tokens(x, ids, wts, wq, cfg)
+            same = bool(torch.equal(alone.view(torch.int16), full[:1].view(torch.int16)))
+            for r in rows[-len(impls):]:
+                if r.get("impl") == "triton_quant_bi":
+                    r["bi_bitwise_vs_T1"] = same
+        pts = [r for r in rows[-len(impls):]]
+        msg = " ".join(f"{r['impl']} {1e6 * r.get('graph_s', r.get('eager_s', float('nan'))):.1f}us"
+                       f"(roof {r.get('roof_frac', float('nan')):.2f})" if "status" in r and r["status"] == "ok"
+                       else f"{r['impl']} {r.get('status', '?')[:70]}" for r in pts)
+        print(f"[{time.time() - t0:6.1f}s] {name} {phase} T={T:5d} floor {1e6 * (floor_hbm if phase == 'decode' else floor_cmp):.1f}us "
+              f"{msg}", flush=True)
+    del wq, plain
+    gc.collect()
+    if dev.type == "cuda":
+        torch.cuda.empty_cache()
+    return rows
+
+
+def summarize(rows: list[dict]) -> list[dict]:
+    """One line per (shape, phase, T)."""
+    out: dict[tuple, dict] = {}
+    for r in rows:
+        k = (r["shape"], r["phase"], r["T"])
+        s = out.setdefault(k, dict(shape=r["shape"], fmt=r["fmt"], phase=r["phase"], T=r["T"]))
+        if "quant_bytes" in r:
+            s["quant_MB"] = r["quant_bytes"] / 1e6
+            s["floor_us"] = 1e6 * (r["floor_hbm_s"] if r["phase"] == "decode" else r["floor_compute_s"])
+        if r.get("status") != "ok":
+            s.setdefault("notes", []).append(f"{r.get('impl', '')}: {r.get('status', '')[:60]}")
+            continue
+        if r["impl"] == "triton_quant":
+            s["eager_us"] = 1e6 * r["eager_s"]
+            if "graph_s" in r:
+                s["graph_us"] = 1e6 * r["graph_s"]
+            s["roof_frac"] = r["roof_frac"]
+            s["rel_l2_deq"] = r["rel_l2_vs_dequant_ref"]
+            if "rel_l2_vs_w8a8_ref" in r:
+                s["rel_l2_w8a8"] = r["rel_l2_vs_w8a8_ref"]
+            if "speedup_vs_bf16" in r:
+                s["vs_bf16"] = r["speedup_vs_bf16"]
+        elif r["impl"] == "triton_quant_bi":
+            s["bi_us"] = 1e6 * r.get("graph_s", r["eager_s"])
+            if "bi_bitwise_vs_T1" in r:
+                s["bi_bitwise"] = r["bi_bitwise_vs_T1"]
+        elif r["impl"] == "triton_bf16":
+            s["bf16_us"] = 1e6 * r["eager_s"]
+    lines = []
+    for s in out.values():
+        s["notes"] = "; ".join(s.get("notes", []))
+        lines.append(s)
+    return lines
+
+
+SUMMARY_COLUMNS = ["shape", "fmt", "phase", "T", "quant_MB", "floor_us", "graph_us", "eager_us", "roof_frac",
+                   "bi_us", "bi_bitwise", "bf16_us", "vs_bf16", "rel_l2_deq", "rel_l2_w8a8", "notes"]
+
+
+def _ints(s: str) -> tuple[int, ...]:
+    return tuple(int(v) for v in s.split(",") if v.strip())
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--shapes", default="deepseek-v3,gpt-oss-120b")
+    ap.add_argument("--decode", type=_ints, default=DECODE_TOKENS, help="decode token counts (comma list)")
+    ap.add_argument("--prefill", type=_ints, default=PREFILL_TOKENS, help="prefill token counts (comma list)")
+    ap.add_argument("--no-prefill", action="store_true")
+    ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--reps", type=int, default=20)
+    ap.add_argument("--budget-s", type=float, default=1e9, help="start no new point after this many seconds")
+    ap.add_argument("--check-rel-l2", type=float, default=CHECK_REL_L2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", default=None, help="JSON path (default benchmarks/results/bench_experts_quant_h200.json; "
+                    "out/bench_experts_quant_dry.json with --dry-run)")
+    ap.add_argument("--md", default=None, help="also write the markdown table here")
+    ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, fp16")
+    args = ap.parse_args(argv)
+    t0 = time.time()
+    if args.no_prefill:
+        args.prefill = ()
+    if args.dry_run:
+        patch_interpreter_index()
+        patch_interpreter_fp8()
+        dev, act_dtype = torch.device("cpu"), torch.float16  # the interpreter has no bf16 dot
+        names = ["tiny-fp8", "tiny-mxfp4"] if args.shapes == ap.get_default("shapes") else args.shapes.split(",")
+        args.decode = tuple(t for t in args.decode if t <= 8) or (1,)
+        args.prefill = tuple(min(t, 64) for t in args.prefill)
+        roofs = {"hbm": 20e9, "hbm_copy": 20e9, "hbm_read": 20e9, "compute": 200e9}
+        timers = {"eager": lambda fn: time_cpu(fn, reps=2, warmup=1), "graph": None}
+    else:
+        if not torch.cuda.is_available():
+            print("bench_experts_quant: needs CUDA (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
+            return 2
+        dev, act_dtype = torch.device("cuda"), torch.bfloat16
+        names = [n.strip() for n in args.shapes.split(",") if n.strip()]
+        copy, read = hbm_roof_bytes_per_s(), hbm_read_roof_bytes_per_s()
+        roofs = {"hbm": max(copy, read), "hbm_copy": copy, "hbm_read": read, "compute": compute_roof_flops()}
+        timers = {"eager": lambda fn: time_cuda(fn, reps=args.reps, warmup=3, flush=True),
+                  "graph": None if args.no_graph else (lambda fn: time_cuda_graph(fn, reps=args.reps, flush=True))}
+    for n in names:
+        if n not in SHAPES:
+            raise SystemExit(f"--shapes: {n!r} unknown, expected some of {tuple(SHAPES)}")
+    meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: SHAPES[n] for n in names},
+                check_rel_l2=args.check_rel_l2, reps=args.reps)
+    print(f"roofs: HBM {roofs['hbm'] / 1e12:.3f} TB/s (read {roofs['hbm_read'] / 1e12:.3f}, copy "
+          f"{roofs['hbm_copy'] / 1e12:.3f}), compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
+    rows: list[dict] = []
+    out_path = Path(args.out or (ROOT / "out" / "bench_experts_quant_dry.json" if args.dry_run else
+                                 ROOT / "benchmarks" / "results" / "bench_experts_quant_h200.json"))
+    out_path.parent.mkdir(parents=True, exist_ok=True)
+    for n in names:
+        rows += bench_shape(n, SHAPES[n], args, roofs, timers, dev, act_dtype, t0)
+        out_path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    summary = summarize(rows)
+    table = format_table(summary, SUMMARY_COLUMNS)
+    head = (f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}; HBM roof "
+            f"{roofs['hbm'] / 1e12:.3f} TB/s, compute roof {roofs['compute'] / 1e12:.1f} TFLOP/s; times in us, "
+            f"median of {args.reps}; decode roof_frac = quantized-bytes floor / graph time, prefill roof_frac = "
+            f"compute floor / eager time, vs_bf16 = our bf16 TritonExperts time / ours")
+    out_path.write_text(json.dumps({"meta": meta, "rows": rows, "summary": summary}, indent=1))
+    if args.md:
+        Path(args.md).write_text(f"{head}\n\ncommand: `{meta['command']}`\n\n{table}\n")
+    print(head)
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,104 @@
+"""Eviction policies on decode traces (CPU replay): bytes and misses per policy vs LRU and Belady.
+
+Legend: L layers, E experts per layer, K picks per token, S slots (25% / 50% of L*E).
+
+Traces (recorded here, seconds on a CPU):
+    tiny-moe        the embedded trained model (`moeflow trace record moeflow/assets/tiny-moe`:
+                    2048 tokens of moeflow's sources), L=4, E=8, K=2;
+    tiny-moe-val    the same model on 4096 held-out stdlib bytes (bench_offload --trace-stats' text);
+    synth-*         bench_offload's correlated synthetic routing (x_{t+1} = 0.8 x_t + 0.6 noise,
+                    Zipf(1.2) per-layer bias), decoded token by token: mixtral-like (L=8, E=8, K=2),
+                    e32k4 (L=8, E=32, K=4), deepseek-like (L=4, E=256, K=8; no groups).
+For each trace and cache size every policy is replayed without prefetch and with prefetch W=K
+(`moeflow.offload.trace.replay`: the live cache's SlotTable), plus Belady (the floor on copies).
+
+    python benchmarks/replay_policies.py --out benchmarks/results/replay_policies.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.bench_offload import build_layers, decode, token_inputs, val_text_bytes  # noqa: E402
+from benchmarks.common import STANDARD_SHAPES, env_info  # noqa: E402
+from moeflow.offload.trace import Trace, record_trace, replay  # noqa: E402
+
+SYNTH = {"synth-mixtral": ({"H": 128, "I": 32, "E": 8, "K": 2, "shared": 0}, 8),
+         "synth-e32k4": ({"H": 128, "I": 32, "E": 32, "K": 4, "shared": 0}, 8),
+         "synth-deepseek": ({"H": 128, "I": 16, "E": 256, "K": 8, "shared": 0}, 4)}
+POLICIES = ("lru", "random_oldest", "predictive", "adaptive")
+
+
+def synth_trace(name: str, tokens: int) -> Trace:
+    shape, L = SYNTH[name]
+    STANDARD_SHAPES[name] = shape
+    layers = build_layers(name, L, "cpu", torch.float32)
+    with torch.no_grad(), record_trace(list(layers), width=2 * shape["K"], meta={"synthetic": name}) as rec:
+        for x in token_inputs(tokens, shape["H"], "cpu", torch.float32):
+            decode(layers, x)
+    return rec.trace
+
+
+def tiny_trace(data: bytes) -> Trace:
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.demo import EMBEDDED_MODEL
+    from moeflow.hf import patch_model
+
+    model = AutoModelForCausalLM.from_pretrained(EMBEDDED_MODEL, dtype=torch.float32).eval()
+    patch_model(model)
+    ids = torch.frombuffer(bytearray(data), dtype=torch.uint8).long() + 3  # ByT5 ids: byte + 3
+    with torch.no_grad(), record_trace(model, width=2 * model.config.num_experts_per_tok) as rec:
+        for start in range(0, ids.numel(), 128):  # passes of the training context, as `trace record`
+            model(input_ids=ids[start : start + 128].unsqueeze(0))
+    return rec.trace.as_decode()
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tokens", type=int, default=2048)
+    p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
+    p.add_argument("--traces", nargs="+", default=["tiny-moe", "tiny-moe-val", *SYNTH])
+    p.add_argument("--out", default="benchmarks/results/replay_policies.json")
+    args = p.parse_args(argv)
+    from moeflow.cli_trace import default_text
+
+    rows = []
+    for name in args.traces:
+        if name == "tiny-moe":
+            trace = tiny_trace(default_text(args.tokens * 4)[0][: args.tokens])
+        elif name == "tiny-moe-val":
+            trace = tiny_trace(val_text_bytes(2 * args.tokens)[0])
+        else:
+            trace = synth_trace(name, args.tokens)
+        K, total = max(trace.top_k), trace.num_layers * min(trace.num_experts)
+        for frac in args.fractions:
+            S = max(K, round(frac * total))
+            lru = replay(trace, S, "lru").bytes_copied
+            bel = replay(trace, S, "belady")
+            for policy in (*POLICIES, "belady"):
+                for pf in ((0,) if policy == "belady" else (0, K)):
+                    r = bel if policy == "belady" else replay(trace, S, policy, pf)
+                    d = dict(r.as_dict(), trace=name, cache_frac=frac, bytes_per_token=r.bytes_copied / r.tokens,
+                             bytes_vs_lru=r.bytes_copied / lru, bytes_vs_belady=r.bytes_copied / bel.bytes_copied)
+                    rows.append(d)
+                    print(f"{name:<15}{frac:>5.2f}{S:>5} {policy:<14}pf={pf:<2} miss/tok {r.misses_per_token:6.3f} "
+                          f"KB/tok {d['bytes_per_token'] / 1e3:9.1f} vs_lru {d['bytes_vs_lru']:.3f} "
+                          f"vs_belady {d['bytes_vs_belady']:.3f}", flush=True)
+    meta = env_info()
+    meta["command"] = "python " + " ".join(["benchmarks/replay_policies.py", *(argv or sys.argv[1:])])
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,498 @@
+"""`triton_quant` experts: fused GPU kernels that run quantized expert weights from their stored bytes.
+
+Legend: T tokens, K slots per token, N = T*K (token, slot) pairs (pair n = t*K + k), H hidden,
+I intermediate per expert, E experts held, P padded positions, S split-K parts of the down GEMM,
+G the quantization group along a GEMM's reduction axis (fp8_block: the weight block's bk, 128 in
+released checkpoints; mxfp4 32; nvfp4 16).
+
+Formats (`w.quant.format`; storage rules in moeflow.quant.experts):
+    fp8_block  W8A8: activations quantized per token per G channels at run time (s = max|x| / 448,
+               exactly moeflow.quant.formats.quantize_fp8_activations), fp8 x fp8 dots with f32
+               accumulation, the weight and activation block scales applied per K tile. The
+               intermediate activation is quantized the same way in gate_up's epilogue.
+    mxfp4      W4A16: weights dequantized in the GEMM's load path to the activations' dtype,
+    nvfp4      bf16 / fp16 dots with f32 accumulation (Hopper has no FP4 MMA). Biases and
+               interleaved gate/up (gpt-oss) supported. NVFP4 input scales (static activation
+               scales) are not read: activations stay bf16 / fp16.
+
+Pipeline of one call (no host sync: capturable in a CUDA graph, replayable):
+    align    ids -> sorted_P, block_expert_B               moeflow.kernels.moe_align (shared)
+    [fp8]    xq_MH, xs_MG = quantize(x rows)               one small pass
+    gate_up  act = act(x @ W_gu[e] (+ b_gu))               fp8: act quantized -> aq_PI, as_PG
+    down     y_SNH = act @ W_d[e] (+ b_d)                  split-K partials for decode shapes
+    combine  out_TH = sum_k w[t,k] * sum_s y[s, t*K+k]     moe_gemm's combine, slot order
+Kernels: moeflow/kernels/moe_gemm_quant.py (and the shared align / combine kernels).
+
+Modes:
+    TritonQuantExperts()                      tiles chosen per T (heuristics, `quant_tile_config`).
+    TritonQuantExperts(batch_invariant=True)  name "triton_quant_bi": one fixed tile configuration
+                                              for every T, no split-K: a token's output bits do not
+                                              depend on the batch (activation quantization is per
+                                              token, so it never mixes rows either).
+Both are deterministic run to run.
+
+Numerics against the reference (`reference` runs w.dequantize(float32) on f32 rows):
+    fp8_block  differs by the activation quantization (W8A8); against a reference that quantizes
+               the activations the same way, by f32 sum order and an fp8 rounding of an
+               intermediate value that lands on the other side of a rounding boundary.
+    mxfp4/nvfp4  the bf16 weights are exact; differences are the bf16 intermediate activation
+               (act_PI, as the bf16 pipeline of moeflow.experts.triton) and the sum order.
+
+Triton is imported only inside the launch functions: importing this module needs neither
+Triton nor CUDA, and `supports` says why it refuses when either is missing. Ids are expected in
+[0, E): a pair with an id outside is never computed and turns its token's row to NaN.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from .._triton import triton_available
+from ..config import ExpertWeights, MoEConfig
+from ..tuning import GemmTile, MoETileConfig
+
+_ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
+_FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
+_ACT_DTYPES = (torch.bfloat16, torch.float16)
+# Combine pass: columns per program (as moeflow.experts.triton).
+_COMBINE_BLOCK_H = 1024
+# FP8 activation quantization: groups per program of the row-quantization pass.
+_QUANT_GROUPS_PER_PROGRAM = 4
+_E8M0 = getattr(torch, "float8_e8m0fnu", None)
+
+
+@lru_cache(maxsize=8)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
+    """Upper bound on BM-row blocks after padding each expert to BM (no host sync needed)."""
+    return -(-num_pairs // block_m) + min(num_pairs, num_experts)
+
+
+def quant_group(spec) -> int:
+    """G: the scale group along the reduction axis (fp8_block: bk; mxfp4 32; nvfp4 16)."""
+    return spec.block[1] if spec.format == "fp8_block" else {"mxfp4": 32, "nvfp4": 16}[spec.format]
+
+
+def _split_for(active_blocks: int, n_tiles: int, k_tiles: int, sm_count: int) -> int:
+    """Smallest split of the down GEMM giving >= 2 programs per SM, keeping >= 2 K tiles per split."""
+    split = 1
+    while active_blocks * n_tiles * split < 2 * sm_count and split < 8 and k_tiles // (split * 2) >= 2:
+        split *= 2
+    return split
+
+
+def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, intermediate_size: int,
+                      top_k: int, num_tokens: int, *, batch_invariant: bool = False, sm_count: int = 132,
+                      small: bool = False) -> MoETileConfig:
+    """The tile configuration of the quantized kernels (pure Python: heuristics, no tuned tables yet).
+
+    fp8_block: BK = G for both GEMMs (one scale a tile) and gate_up BN = G (the epilogue
+    quantizes whole groups of I). FP4: BK a multiple of G and >= 32 (16-byte packed loads).
+    Regimes follow rows per used expert ~ T*K / min(T*K, E), as moeflow.tuning.default_config:
+    decode tiles (BM = 16, split-K down GEMM so the weight stream covers every SM), then wider
+    tiles. batch_invariant: one configuration whatever T, no split-K. small: the interpreter /
+    CPU path (one stage, narrow tiles).
+    """
+    E, H, I, K = num_experts, hidden_size, intermediate_size, top_k
+    fp8 = fmt == "fp8_block"
+    if small:
+        bk = group if fp8 else max(32, group)
+        gu = GemmTile(block_n=group if fp8 else 16, block_k=bk, num_warps=4, num_stages=1)
+        dn = GemmTile(block_n=16, block_k=bk, num_warps=4, num_stages=1, split_k=1 if batch_invariant else 2)
+        return MoETileConfig(block_m=16, gate_up=gu, down=dn)
+    if batch_invariant:
+        if fp8:
+            gu = GemmTile(block_n=group, block_k=group, num_warps=8, num_stages=3)
+            dn = GemmTile(block_n=128, block_k=group, num_warps=8, num_stages=4)
+        else:
+            gu = GemmTile(block_n=64, block_k=64, num_warps=4, num_stages=3)
+            dn = GemmTile(block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return MoETileConfig(block_m=64, gate_up=gu, down=dn)
+    n_pairs = max(1, num_tokens) * K
+    used = min(n_pairs, E)
+    rows = n_pairs / used
+    if rows <= 16:
+        bk = group if fp8 else 128
+        if fp8:
+            gu = GemmTile(block_n=group, block_k=bk, num_warps=4, num_stages=4)
+        else:
+            bn_gu = 64 if used * math.ceil(I / 64) >= 2 * sm_count else 32
+            gu = GemmTile(block_n=bn_gu, block_k=bk, num_warps=4, num_stages=4)
+        bn_d = 64 if used * math.ceil(H / 64) >= sm_count else 32
+        split = _split_for(used, math.ceil(H / bn_d), math.ceil(I / bk), sm_count)
+        dn = GemmTile(block_n=bn_d, block_k=bk, num_warps=4, num_stages=4, split_k=split)
+        return MoETileConfig(block_m=16, gate_up=gu, down=dn)
+    if fp8:
+        # gate_up holds two f32 accumulators (gate, up) and a fresh per-tile dot result of each:
+        # BM = 128 spills at any warp count (sm_90 compile, 255 registers); BM = 64 with 8 warps
+        # (two warpgroups splitting N) is the widest tile that nearly fits (48 B of stack).
+        if rows <= 32:
+            gu = GemmTile(block_n=group, block_k=group, num_warps=4, num_stages=3)
+            dn = GemmTile(block_n=64, block_k=group, num_warps=4, num_stages=4)
+            return MoETileConfig(block_m=32, gate_up=gu, down=dn)
+        gu = GemmTile(block_n=group, block_k=group, num_warps=8, num_stages=3)
+        dn = GemmTile(block_n=64 if rows <= 64 else 128, block_k=group, num_warps=4 if rows <= 64 else 8,
+                      num_stages=4)
+        return MoETileConfig(block_m=64, gate_up=gu, down=dn)
+    if rows <= 64:
+        bm = 32 if rows <= 32 else 64
+        gu = GemmTile(block_n=64, block_k=64, num_warps=4, num_stages=3)
+        dn = GemmTile(block_n=64, block_k=64, num_warps=4, num_stages=3)
+        return MoETileConfig(block_m=bm, gate_up=gu, down=dn)
+    bm = 128 if rows >= 128 else 64
+    gu = GemmTile(block_n=64, block_k=64, num_warps=8 if bm == 128 else 4, num_stages=3)
+    dn = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    return MoETileConfig(block_m=bm, gate_up=gu, down=dn)
+
+
+def check_tile_config(cfg: MoETileConfig, fmt: str, group: int) -> None:
+    """ValueError naming the field when a tile configuration cannot run format `fmt` (group G)."""
+    if fmt == "fp8_block":
+        for name, t in (("gate_up", cfg.gate_up), ("down", cfg.down)):
+            if t.block_k != group:
+                raise ValueError(f"MoETileConfig.{name}.block_k={t.block_k}: fp8_block needs block_k == the "
+                                 f"scale block bk = {group} (one scale a K tile)")
+        if cfg.gate_up.block_n % group:
+            raise ValueError(f"MoETileConfig.gate_up.block_n={cfg.gate_up.block_n}: fp8_block needs a multiple "
+                             f"of bk = {group} (the epilogue quantizes whole groups of I)")
+        return
+    for name, t in (("gate_up", cfg.gate_up), ("down", cfg.down)):
+        if t.block_k % group or t.block_k < 32:
+            raise ValueError(f"MoETileConfig.{name}.block_k={t.block_k}: {fmt} needs a multiple of its group "
+                             f"{group} and >= 32")
+
+
+class TritonQuantExperts:
+    """Fused Triton experts for quantized weights. See the module docstring for the pipeline and modes.
+
+    batch_invariant: one fixed tile configuration for every T (bitwise batch invariance).
+    tile_config:     force this MoETileConfig for every call (tests); checked per format.
+    allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1).
+    """
+
+    name = "triton_quant"
+    device_types = ("cuda",)
+    quant_formats = ("fp8_block", "mxfp4", "nvfp4")
+
+    def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
+                 allow_cpu: bool = False) -> None:
+        if not isinstance(batch_invariant, bool):
+            raise TypeError(f"TritonQuantExperts.batch_invariant={batch_invariant!r}: expected a bool")
+        if tile_config is not None and not isinstance(tile_config, MoETileConfig):
+            raise TypeError(
+                f"TritonQuantExperts.tile_config: expected a MoETileConfig, got {type(tile_config).__name__}")
+        self.batch_invariant = batch_invariant
+        self.name = "triton_quant_bi" if batch_invariant else "triton_quant"
+        self.tile_config = tile_config
+        self.allow_cpu = allow_cpu
+        if allow_cpu:
+            self.device_types = ("cuda", "cpu")
+        self._cfg_cache: dict[tuple, MoETileConfig] = {}
+
+    def __repr__(self) -> str:
+        return f"TritonQuantExperts(batch_invariant={self.batch_invariant})"
+
+    # ------------------------------------------------------------------ selection
+    def supports(self, config: MoEConfig) -> tuple[bool, str]:
+        if not isinstance(config, MoEConfig):
+            return False, f"config: expected MoEConfig, got {type(config).__name__}"
+        if not triton_available():
+            return False, "the triton package is not installed"
+        if not self.allow_cpu and not torch.cuda.is_available():
+            return False, "needs a CUDA device (torch.cuda.is_available() is False)"
+        if config.activation not in _ACT_CODES:
+            return False, f"activation {config.activation!r} has no fused kernel (have {tuple(_ACT_CODES)})"
+        return True, ("fused Triton kernels for quantized weights: fp8_block W8A8, mxfp4 / nvfp4 W4A16; "
+                      "bf16 / fp16 activations")
+
+    def tile_config_for(self, w: ExpertWeights, top_k: int, num_tokens: int) -> MoETileConfig:
+        """The MoETileConfig a call of num_tokens tokens runs with (cached per (shape, T))."""
+        spec = w.quant
+        group = quant_group(spec)
+        if self.tile_config is not None:
+            check_tile_config(self.tile_config, spec.format, group)
+            return self.tile_config
+        dev = w.device
+        ck = (spec.format, group, w.num_experts, w.hidden_size, w.intermediate_size, top_k, str(dev),
+              num_tokens, self.batch_invariant)
+        cfg = self._cfg_cache.get(ck)
+        if cfg is None:
+            sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) \
+                if dev.type == "cuda" else 132
+            cfg = quant_tile_config(spec.format, group, w.num_experts, w.hidden_size, w.intermediate_size, top_k,
+                                    max(1, num_tokens), batch_invariant=self.batch_invariant, sm_count=sms,
+                                    small=dev.type == "cpu")
+            self._cfg_cache[ck] = cfg
+        return cfg
+
+    # ------------------------------------------------------------------ entry points
+    def forward_tokens(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                       w: ExpertWeights, config: MoEConfig) -> torch.Tensor:
+        """out_TH [T, H] (x's dtype) = sum over k in slot order of weights[t,k] * expert_{ids[t,k]}(x[t]).
+
+        With config.router.weight_on_input (llama4) the weight scales the expert's input
+        instead (rounded to x's dtype) and the combine weight is 1.
+
+        Args:
+            x_TH: [T, H] bf16 or fp16 on the weights' device, unit stride along H.
+            ids_TK: int [T, K], every id in [0, E) (an id outside gives a NaN row).
+            weights_TK: float [T, K] combine weights (f32 in moeflow's routing).
+            w: quantized experts (w.quant one of `quant_formats`), stored [E, out, in].
+            config: the layer's MoEConfig.
+        """
+        self._check_common(w, config)
+        if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != w.hidden_size:
+            raise ValueError(f"x_TH: shape {tuple(getattr(x_TH, 'shape', ()))}, expected (T, H={w.hidden_size})")
+        T = int(x_TH.shape[0])
+        if not isinstance(ids_TK, torch.Tensor) or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
+            raise ValueError(f"ids_TK: shape {tuple(getattr(ids_TK, 'shape', ()))}, expected (T={T}, K)")
+        if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+            raise TypeError(f"ids_TK: dtype {ids_TK.dtype}, expected an integer dtype")
+        K = int(ids_TK.shape[1])
+        if not isinstance(weights_TK, torch.Tensor) or tuple(weights_TK.shape) != (T, K):
+            raise ValueError(f"weights_TK: shape {tuple(getattr(weights_TK, 'shape', ()))}, expected ({T}, {K})")
+        if not weights_TK.dtype.is_floating_point:
+            raise TypeError(f"weights_TK: dtype {weights_TK.dtype}, expected a floating dtype")
+        self._check_x(x_TH, w, "x_TH")
+        for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
+            if t.device != x_TH.device:
+                raise ValueError(f"{name}: on {t.device}, expected x_TH's device {x_TH.device}")
+        if T == 0 or K == 0:
+            return torch.zeros_like(x_TH)
+        ids_N = ids_TK.reshape(-1)
+        if ids_N.dtype != torch.int32:
+            ids_N = ids_N.to(torch.int32)
+        wts_N = weights_TK.reshape(-1).contiguous()
+        on_input = bool(getattr(config.router, "weight_on_input", False))
+        cfg = self.tile_config_for(w, K, T)
+        return _run(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, cfg,
+                    weight_on_input=on_input, combine_weights=not on_input)
+
+    def forward_pairs(self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights,
+                      config: MoEConfig) -> torch.Tensor:
+        """y_NH [N, H] (x's dtype): row n through expert expert_N[n], unweighted, rows in input order.
+
+        x_NH: bf16 / fp16 [N, H]. Bits of a row depend on the tile configuration, which follows
+        N unless batch_invariant=True (then they depend on the row alone).
+        """
+        self._check_common(w, config)
+        if not isinstance(x_NH, torch.Tensor):
+            raise TypeError(f"x_NH: expected a torch.Tensor, got {type(x_NH).__name__}")
+        self._check_x(x_NH, w, "x_NH")
+        # Not base.check_pairs: that one wants x in the weights' dtype, here the storage dtype.
+        if x_NH.shape[1] != w.hidden_size:
+            raise ValueError(f"x_NH: shape {tuple(x_NH.shape)}, expected (N, H={w.hidden_size})")
+        if not isinstance(expert_N, torch.Tensor) or expert_N.dim() != 1 or expert_N.shape[0] != x_NH.shape[0]:
+            raise ValueError(f"expert_N: shape {tuple(getattr(expert_N, 'shape', ()))}, expected "
+                             f"({x_NH.shape[0]},) (one id per row)")
+        if expert_N.dtype.is_floating_point or expert_N.dtype == torch.bool:
+            raise TypeError(f"expert_N: dtype {expert_N.dtype}, expected an integer dtype")
+        if expert_N.device != x_NH.device:
+            raise ValueError(f"expert_N: on {expert_N.device}, expected x_NH's device {x_NH.device}")
+        N = int(x_NH.shape[0])
+        if N == 0:
+            return torch.empty_like(x_NH)
+        ids_N = expert_N.to(torch.int32).contiguous()
+        cfg = self.tile_config_for(w, config.top_k, max(1, N // config.top_k))
+        return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False)
+
+    # ------------------------------------------------------------------ checks
+    def _check_common(self, w: ExpertWeights, config: MoEConfig) -> None:
+        if not isinstance(w, ExpertWeights):
+            raise TypeError(f"w: expected ExpertWeights, got {type(w).__name__}")
+        if not isinstance(config, MoEConfig):
+            raise TypeError(f"config: expected MoEConfig, got {type(config).__name__}")
+        ok, reason = self.supports(config)
+        if not ok:
+            raise ValueError(f"experts impl {self.name!r} refuses this config: {reason}")
+        spec = w.quant
+        if spec is None or spec.format not in self.quant_formats:
+            got = None if spec is None else spec.format
+            raise ValueError(f"ExpertWeights.quant format {got!r}: experts impl {self.name!r} runs "
+                             f"{self.quant_formats} (plain weights: 'triton')")
+        if spec.format == "fp8_block":
+            bk = spec.block[1]
+            if bk not in (32, 64, 128, 256):
+                raise ValueError(f"QuantSpec.block={spec.block}: the fp8_block kernels need bk (the K block, "
+                                 "one scale a tile) in (32, 64, 128, 256)")
+        w.check_config(config)
+        if w.device.type not in self.device_types:
+            raise ValueError(f"ExpertWeights on {w.device}: experts impl {self.name!r} runs on {self.device_types}")
+
+    @staticmethod
+    def _check_x(x: torch.Tensor, w: ExpertWeights, name: str) -> None:
+        if x.dim() != 2:
+            raise ValueError(f"{name}: shape {tuple(x.shape)}, expected a 2-D tensor")
+        if x.dtype not in _ACT_DTYPES:
+            raise TypeError(f"{name}: dtype {x.dtype}, expected bfloat16 or float16 activations")
+        if x.device != w.device:
+            raise ValueError(f"{name}: on {x.device}, expected the experts' device {w.device}")
+        if x.shape[1] > 1 and x.stride(1) != 1:
+            raise ValueError(f"{name}: stride {x.stride()}, expected unit stride along H")
+
+
+# ------------------------------------------------------------------------------ launch plan
+class _Plan:
+    """Sizes and buffers of one call (every size from shapes alone: no host sync)."""
+
+    def __init__(self, x_MH: torch.Tensor, T: int, K: int, w: ExpertWeights, cfg: MoETileConfig) -> None:
+        dev = x_MH.device
+        spec = w.quant
+        self.fmt, self.G = spec.format, quant_group(spec)
+        self.T, self.K, self.N = T, K, T * K
+        self.E, self.H, self.I = w.num_experts, w.hidden_size, w.intermediate_size
+        self.cfg = cfg
+        self.max_blocks = max_blocks_for(self.N, self.E, cfg.block_m)
+        self.P = self.max_blocks * cfg.block_m
+        self.sorted_P = torch.empty(self.P, dtype=torch.int32, device=dev)
+        self.block_expert_B = torch.empty(self.max_blocks, dtype=torch.int32, device=dev)
+        if self.fmt == "fp8_block":
+            # The intermediate activation goes from gate_up to down already quantized.
+            self.aq_PI = torch.empty(self.P, self.I, dtype=torch.float8_e4m3fn, device=dev)
+            self.as_PG = torch.empty(self.P, -(-self.I // self.G), dtype=torch.float32, device=dev)
+        else:
+            self.act_PI = torch.empty(self.P, self.I, dtype=x_MH.dtype, device=dev)
+        S = cfg.down.split_k
+        # One part is the expert's output itself, in x's dtype; split-K partials stay f32.
+        self.y_SNH = torch.empty(S, self.N, self.H, dtype=x_MH.dtype if S == 1 else torch.float32, device=dev)
+        self.out_TH = torch.empty(T, self.H, dtype=x_MH.dtype, device=dev)
+
+
+def _u8(t: torch.Tensor) -> torch.Tensor:
+    """E8M0 scales as bytes (Triton reads float8_e8m0fnu storage as uint8)."""
+    return t.view(torch.uint8) if (_E8M0 is not None and t.dtype == _E8M0) else t
+
+
+def _launch_fp8_quant(x_MH: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq_MH float8_e4m3fn, xs_MG f32) of x rows, per row per G channels (quantize_fp8_activations)."""
+    from ..kernels.moe_gemm_quant import fp8_quant_rows_kernel
+
+    M, H = x_MH.shape
+    ng = -(-H // G)
+    xq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x_MH.device)
+    xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
+    gpp = _QUANT_GROUPS_PER_PROGRAM
+    fp8_quant_rows_kernel[(M, -(-ng // gpp))](x_MH, xq, xs, M, H, x_MH.stride(0), xq.stride(0), xs.stride(0),
+                                              G=G, GPP=gpp, num_warps=4)
+    return xq, xs
+
+
+def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
+                    config: MoEConfig) -> None:
+    """The intermediate activation of every placed pair (row of pair n = x_rows[n // top_k_div])."""
+    from ..kernels import moe_gemm_quant as kq
+
+    t = plan.cfg.gate_up
+    has_bias = w.gate_up_bias is not None
+    gu = w.gate_up
+    gub = w.gate_up_bias if has_bias else gu  # dummy pointer when no bias
+    grid = (plan.max_blocks * math.ceil(plan.I / t.block_n),)
+    limit, alpha = float(config.swiglu_limit or 0.0), float(config.gptoss_alpha)
+    common = dict(ACT=_ACT_CODES[config.activation], HAS_BIAS=has_bias, BLOCK_M=plan.cfg.block_m,
+                  BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
+                  num_stages=t.num_stages)
+    if plan.fmt == "fp8_block":
+        xq, xs = _launch_fp8_quant(x_rows, plan.G)
+        ws = _u8(w.gate_up_scale)
+        sbn = w.quant.block[0]
+        kq.moe_gate_up_fp8_kernel[grid](
+            xq, xs, gu, ws, gub, plan.aq_PI, plan.as_PG, plan.sorted_P, plan.block_expert_B,
+            plan.N, plan.H, plan.I, top_k_div, plan.max_blocks, sbn, -(-plan.I // sbn),
+            xq.stride(0), xs.stride(0), *gu.stride(), *ws.stride(), gub.stride(0),
+            plan.aq_PI.stride(0), plan.as_PG.stride(0), limit, alpha,
+            SCALE_E8M0=ws.dtype == torch.uint8, EVEN_K=plan.H % t.block_k == 0, **common,
+        )
+        return
+    s = w.gate_up_scale.view(torch.uint8)  # E8M0 / e4m3 bytes, decoded in the kernel
+    s2 = w.gate_up_scale_2 if w.gate_up_scale_2 is not None else s  # dummy pointer for mxfp4
+    kq.moe_gate_up_w4_kernel[grid](
+        x_rows, gu, s, s2, gub, plan.act_PI, plan.sorted_P, plan.block_expert_B,
+        plan.N, plan.H, plan.I, top_k_div, plan.max_blocks,
+        x_rows.stride(0), *gu.stride(), *s.stride(), s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0,
+        gub.stride(0),
+        plan.act_PI.stride(0), limit, alpha,
+        FMT=_FORMAT_CODES[plan.fmt], G=plan.G, INTERLEAVED=bool(w.interleaved),
+        EVEN_K=plan.H % t.block_k == 0, **common,
+    )
+
+
+def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
+    """y_SNH from the intermediate activation (split-K parts over I)."""
+    from ..kernels import moe_gemm_quant as kq
+
+    t = plan.cfg.down
+    has_bias = w.down_bias is not None
+    dn = w.down
+    db = w.down_bias if has_bias else dn  # dummy pointer when no bias
+    S = t.split_k
+    k_tiles_per_split = math.ceil(math.ceil(plan.I / t.block_k) / S)
+    grid = (plan.max_blocks * math.ceil(plan.H / t.block_n), S)
+    y = plan.y_SNH
+    common = dict(HAS_BIAS=has_bias, EVEN_K=plan.I % t.block_k == 0, BLOCK_M=plan.cfg.block_m,
+                  BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
+                  num_stages=t.num_stages)
+    if plan.fmt == "fp8_block":
+        ws = _u8(w.down_scale)
+        kq.moe_down_fp8_kernel[grid](
+            plan.aq_PI, plan.as_PG, dn, ws, db, y, plan.sorted_P, plan.block_expert_B,
+            plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split, w.quant.block[0],
+            plan.aq_PI.stride(0), plan.as_PG.stride(0), *dn.stride(), *ws.stride(),
+            db.stride(0), y.stride(0), y.stride(1),
+            SCALE_E8M0=ws.dtype == torch.uint8, **common,
+        )
+        return
+    s = w.down_scale.view(torch.uint8)
+    s2 = w.down_scale_2 if w.down_scale_2 is not None else s  # dummy pointer for mxfp4
+    kq.moe_down_w4_kernel[grid](
+        plan.act_PI, dn, s, s2, db, y, plan.sorted_P, plan.block_expert_B,
+        plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split,
+        plan.act_PI.stride(0), *dn.stride(), *s.stride(), s2.stride(0), db.stride(0),
+        y.stride(0), y.stride(1),
+        FMT=_FORMAT_CODES[plan.fmt], G=plan.G, **common,
+    )
+
+
+def _launch_combine(plan: _Plan, wts_N: torch.Tensor | None, ids_N: torch.Tensor) -> None:
+    """out_TH = sum over slots (and splits) of y, weighted when wts_N is given (moe_gemm's combine)."""
+    from ..kernels.moe_gemm import moe_combine_kernel
+
+    H = plan.H
+    # K*S loads of BLOCK_H in flight per program: narrow the block as K*S grows.
+    loads = plan.K * plan.cfg.down.split_k
+    bh = max(128, min(_COMBINE_BLOCK_H, 4096 // loads))
+    bh = 1 << (bh.bit_length() - 1)
+    bh = min(bh, 1 << max(0, (H - 1).bit_length()))
+    y, out = plan.y_SNH, plan.out_TH
+    moe_combine_kernel[(plan.T, math.ceil(H / bh))](
+        y, wts_N if wts_N is not None else ids_N, ids_N, out, H, plan.E, y.stride(0), y.stride(1),
+        out.stride(0), K=plan.K, SPLIT=plan.cfg.down.split_k, HAS_W=wts_N is not None, BLOCK_H=bh,
+        num_warps=4,
+    )
+
+
+def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoETileConfig, *,
+         weight_on_input: bool, combine_weights: bool) -> torch.Tensor:
+    """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs)."""
+    from ..kernels.moe_align import align_launch
+
+    check_tile_config(cfg, w.quant.format, quant_group(w.quant))
+    plan = _Plan(x_MH, T, K, w, cfg)
+    align_launch(ids_N, plan.E, cfg.block_m, plan.sorted_P, plan.block_expert_B)
+    if weight_on_input:
+        # llama4: the expert's input is (w * x) rounded to x's dtype, made once before the GEMMs.
+        x_rows = (x_MH.unsqueeze(1) * wts_N.view(T, K, 1).to(x_MH.dtype)).reshape(plan.N, plan.H)
+        _launch_gate_up(plan, x_rows, 1, w, config)
+    else:
+        _launch_gate_up(plan, x_MH, K, w, config)
+    _launch_down(plan, w)
+    _launch_combine(plan, wts_N if combine_weights else None, ids_N)
+    return plan.out_TH
+
+
+IMPL = TritonQuantExperts()

@@ -1,0 +1,422 @@
+"""Private Triton kernels of the quantized experts: FP8 block-scaled W8A8 and FP4 (MXFP4 / NVFP4) W4A16.
+
+Legend: T tokens, K slots, N = T*K pairs (pair n = t*K + k), H hidden, I intermediate per
+expert, E experts, P padded positions (= max_blocks * BM, see moe_align.py), S split-K parts
+of the down GEMM, BM/BN/BK tile sizes, G the quantization group along the reduction axis
+(fp8_block: bk of the weight block, 128 in every released checkpoint; mxfp4: 32; nvfp4: 16),
+SBN the fp8_block scale block along the output axis (bn).
+
+Weights are read as checkpoints store them, [E, out, in] (moeflow.quant.experts), addressed by strides
+(Triton specializes a unit stride, so contiguous `in` rows load as wide vectors):
+    fp8_block  W[e, n, k] = f32(Wq[e, n, k]) * ws[e, n // SBN, k // G]   Wq float8_e4m3fn, ws f32 or
+                                                                          UE8M0 bytes (2^(b - 127))
+               gate_up's scale grid is gate's (ceil(I / SBN) rows) then up's.
+    mxfp4      W = e2m1 * 2^(b - 127), packed bytes [E, out, in/2] (low nibble = even element),
+               E8M0 bytes [E, out, in/32]
+    nvfp4      W = (e2m1 * f32(s8)) * s2, s8 float8_e4m3fn [E, out, in/16], s2 f32 per expert
+               ([E, 2] gate/up for gate_up, [E] for down)
+
+FP8 (W8A8), per the DeepSeek recipe and moeflow.quant.formats.quantize_fp8_activations:
+    quant      xq[r], xs[r, g] = e4m3(x[r] / s), s = max|x[r, group g]| / 448 (1 for a zero group)
+    gate_up    acc += dot_fp8(xq tile, Wq tile) * xs[row, kt] * ws[col, kt]     BK = G: one scale a tile
+               act = act(acc_gate, acc_up) (+ bias), then quantized in the epilogue the same way
+               (BN a multiple of G, so every group of I is whole inside one program)
+    down       y = sum_kt dot_fp8(aq tile, Wq tile) * as[row, kt] * ws[col, kt]  (split-K parts)
+Every dot is fp8 x fp8 with f32 accumulation over one K tile; the scaled tiles are summed in f32.
+
+FP4 (W4A16: Hopper has no FP4 MMA): each packed tile is dequantized in the load path to the
+activations' dtype (bf16 / fp16) and fed to a bf16 / fp16 dot with f32 accumulation. MXFP4
+values e2m1 * 2^(b - 127) and NVFP4 values e2m1 * s8 are exact in bf16 (at most 6 significant
+bits, f32's exponent range); NVFP4's s2 multiplies the f32 accumulator once per output.
+
+Same schedule as moe_gemm.py: grid (max_blocks * column tiles[, S]), programs of padding blocks
+(block_expert = -1) return at once, fixed sum orders, no atomics; the activation epilogue is
+moe_gemm's `_activate` (ACT codes 0 silu, 1 gelu_tanh, 2 swiglu_clamp, 3 gptoss).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .moe_gemm import _activate, _tile_ids
+
+# A jit function reads module globals only as constexpr.
+FP8_MAX = tl.constexpr(448.0)
+
+
+# ------------------------------------------------------------------------------ element codecs
+@triton.jit
+def _e8m0_to_f32(b):
+    """E8M0 exponent bytes -> f32 2^(b - 127), exact: built from the f32 bit pattern (b << 23);
+    byte 0 is the subnormal 2^-127, byte 255 NaN (OCP MX), as moeflow.quant.formats.e8m0_to_f32."""
+    b = b.to(tl.int32)
+    bits = tl.where(b == 0, 0x00400000, b << 23)
+    bits = tl.where(b == 255, 0x7FC00000, bits)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _fp8_scale(s, SCALE_E8M0: tl.constexpr):
+    """A loaded fp8_block weight scale as f32 (UE8M0 bytes or f32)."""
+    if SCALE_E8M0:
+        return _e8m0_to_f32(s)
+    return s.to(tl.float32)
+
+
+@triton.jit
+def _e2m1_to_f32(c):
+    """E2M1 codes (int32 0..15, bit 3 the sign) -> f32, exact: +-{0, .5, 1, 1.5, 2, 3, 4, 6}.
+
+    Magnitude m = c & 7: m >= 2 is a normal number (exponent m >> 1, bias 1; mantissa bit m & 1),
+    whose f32 bits are (m << 22) + (126 << 23); m == 1 is the subnormal 0.5; m == 0 is zero.
+    Bit arithmetic only: no table lookup, no exp2.
+    """
+    m = c & 7
+    mag = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
+    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _w4_tile(w_ptrs, s_ptrs, w_mask, s_mask, FMT: tl.constexpr, ROWS: tl.constexpr, BK: tl.constexpr,
+             G: tl.constexpr):
+    """f32 [ROWS, BK] weights of one K tile: packed uint8 [ROWS, BK/2] codes times [ROWS, BK/G] scales.
+
+    Masked-off bytes load code 0 (value 0) whatever their scale, so edge tiles add nothing.
+    """
+    p = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
+    lo = _e2m1_to_f32(p & 15)
+    hi = _e2m1_to_f32(p >> 4)
+    # join puts lo (the even element) before hi along a new last axis: [ROWS, BK/2, 2] is the
+    # row's K order; viewed as [ROWS, BK/G, G] each group meets its own scale.
+    v = tl.reshape(tl.join(lo, hi), (ROWS, BK // G, G))
+    s_raw = tl.load(s_ptrs, mask=s_mask, other=0)
+    if FMT == 1:
+        s = _e8m0_to_f32(s_raw)
+    else:  # e4m3 scale bytes
+        s = s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
+    return tl.reshape(v * s[:, :, None], (ROWS, BK))
+
+
+@triton.jit
+def _fp8_quant_groups(v, AXIS: tl.constexpr):
+    """(q float8e4nv like v, s f32 with AXIS reduced): per group along AXIS, s = max|v| / 448
+    (1 for an all-zero group), q = e4m3(clamp(v / s, +-448)); IEEE divisions (div_rn), round to
+    nearest even: the same numbers as moeflow.quant.formats.quantize_fp8_activations."""
+    amax = tl.max(tl.abs(v), axis=AXIS)
+    s = tl.where(amax > 0, tl.math.div_rn(amax, tl.full(amax.shape, FP8_MAX, tl.float32)), 1.0)
+    q = tl.math.div_rn(v, tl.broadcast_to(tl.expand_dims(s, AXIS), v.shape))
+    q = tl.minimum(tl.maximum(q, -FP8_MAX), FP8_MAX)
+    return q.to(tl.float8e4nv), s
+
+
+# ------------------------------------------------------------------------------ FP8 W8A8
+@triton.jit(do_not_specialize=["M"])
+def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_s,
+                          G: tl.constexpr, GPP: tl.constexpr):
+    """Grid (M, cdiv(cdiv(H, G), GPP)): xq [M, H] float8e4nv and xs [M, cdiv(H, G)] f32 of x [M, H].
+
+    Each program quantizes GPP groups of one row (the activations of gate_up's input).
+    """
+    r = tl.program_id(0).to(tl.int64)
+    offs_g = tl.program_id(1) * GPP + tl.arange(0, GPP)
+    offs_h = offs_g[:, None] * G + tl.arange(0, G)[None, :]
+    ok = offs_h < H
+    x = tl.load(x_ptr + r * stride_x + offs_h, mask=ok, other=0.0).to(tl.float32)
+    q, s = _fp8_quant_groups(x, 1)
+    tl.store(q_ptr + r * stride_q + offs_h, q, mask=ok)
+    tl.store(s_ptr + r * stride_s + offs_g, s, mask=offs_g < tl.cdiv(H, G))
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def moe_gate_up_fp8_kernel(
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, top_k, num_m, sbn, g_rows,
+    stride_xq, stride_xs, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_be,
+    stride_aq, stride_as,
+    limit, alpha,
+    ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (max_blocks * cdiv(I, BN),). aq_PI / as_PG for the block's rows and BN columns of I.
+
+    BLOCK_K == G (one activation scale per row and one weight scale per column a tile) and
+    BLOCK_N % G == 0 (the epilogue quantizes whole groups). Gate row j of expert e scales by
+    ws[e, j // sbn, kt], up row j by ws[e, g_rows + j // sbn, kt] (g_rows = cdiv(I, sbn)).
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_ok = offs_j < I
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = xq_ptr + tok[:, None] * stride_xq + offs_k[None, :]
+    xs_ptrs = xs_ptr + tok * stride_xs
+    w_base = w_ptr + e * stride_we
+    wg_ptrs = w_base + offs_j[None, :] * stride_wn + offs_k[:, None] * stride_wk
+    wu_ptrs = wg_ptrs + I * stride_wn
+    ws_base = ws_ptr + e * stride_wse
+    sg_ptrs = ws_base + (offs_j // sbn) * stride_wsn
+    su_ptrs = ws_base + (g_rows + offs_j // sbn) * stride_wsn
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(0, tl.cdiv(H, BLOCK_K)):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
+            wu = tl.load(wu_ptrs, mask=j_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < H - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+        sa = tl.load(xs_ptrs + kt, mask=row_ok, other=0.0)
+        sg = _fp8_scale(tl.load(sg_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
+        su = _fp8_scale(tl.load(su_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
+        # One K tile per dot, scaled into the f32 sum: the fp8 MMA's own accumulation never
+        # runs past one scale block.
+        # (dot * row scale) * column scale: broadcasts, never a [BM, BN] tile of scales.
+        g += (tl.dot(a, wg) * sa[:, None]) * sg[None, :]
+        u += (tl.dot(a, wu) * sa[:, None]) * su[None, :]
+        a_ptrs += BLOCK_K
+        wg_ptrs += BLOCK_K * stride_wk
+        wu_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        bg = tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0)
+        bu = tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0)
+        g += bg.to(tl.float32)[None, :]
+        u += bu.to(tl.float32)[None, :]
+    out = _activate(g, u, limit, alpha, ACT)
+    # Columns past I are zero so they never raise a group's max.
+    out = tl.where(j_ok[None, :], out, 0.0)
+    q, s = _fp8_quant_groups(tl.reshape(out, (BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K)), 2)
+    rows = offs_p.to(tl.int64)
+    tl.store(aq_ptr + rows[:, None] * stride_aq + offs_j[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)),
+             mask=row_ok[:, None] & j_ok[None, :])
+    offs_g = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
+    tl.store(as_ptr + rows[:, None] * stride_as + offs_g[None, :], s,
+             mask=row_ok[:, None] & (offs_g < tl.cdiv(I, BLOCK_K))[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
+def moe_down_fp8_kernel(
+    aq_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, num_m, k_tiles_per_split, sbn,
+    stride_aq, stride_as, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_be,
+    stride_ys, stride_yn,
+    HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over the K tiles
+    [s * k_tiles_per_split, (s + 1) * k_tiles_per_split) of I; BLOCK_K == G."""
+    pid = tl.program_id(0)
+    s_id = tl.program_id(1)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    rows = offs_p.to(tl.int64)
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    kt_lo = s_id * k_tiles_per_split
+    kt_hi = tl.minimum(kt_lo + k_tiles_per_split, tl.cdiv(I, BLOCK_K))
+    offs_k = tl.arange(0, BLOCK_K)
+    k_first = tl.multiple_of(kt_lo * BLOCK_K, BLOCK_K)
+    a_ptrs = aq_ptr + rows[:, None] * stride_aq + (k_first + offs_k)[None, :]
+    as_ptrs = as_ptr + rows * stride_as
+    w_ptrs = w_ptr + e * stride_we + offs_h[None, :] * stride_wn + (k_first + offs_k)[:, None] * stride_wk
+    ws_ptrs = ws_ptr + e * stride_wse + (offs_h // sbn) * stride_wsn
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for kt in range(kt_lo, kt_hi):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
+        else:
+            k_ok = offs_k < I - kt * BLOCK_K
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            w = tl.load(w_ptrs, mask=h_ok[None, :] & k_ok[:, None], other=0.0)
+        sa = tl.load(as_ptrs + kt, mask=row_ok, other=0.0)
+        sw = _fp8_scale(tl.load(ws_ptrs + kt * stride_wsk, mask=h_ok, other=0), SCALE_E8M0)
+        acc += (tl.dot(a, w) * sa[:, None]) * sw[None, :]
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K * stride_wk
+    if HAS_BIAS:
+        if s_id == 0:
+            bias = tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + s_id.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+
+
+# ------------------------------------------------------------------------------ FP4 W4A16
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def moe_gate_up_w4_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, top_k, num_m,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2g,
+    stride_be, stride_ap, limit, alpha,
+    FMT: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] (x's dtype) for the block's rows, BN columns of I.
+
+    Packed weights [E, 2I, H/2] with scales [E, 2I, H/G]; BLOCK_K % G == 0 and H % G == 0
+    (the formats' rule), so a tile never splits a scale group. Interleaved (gpt-oss): out row
+    2j is gate j, 2j + 1 up j: one [2BN, BK] tile, accumulator split into even / odd columns.
+    NVFP4 (never interleaved): s2[e, 0] multiplies gate's sums, s2[e, 1] up's.
+    """
+    pid = tl.program_id(0)
+    num_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_kg = tl.arange(0, BLOCK_K // G)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    if INTERLEAVED:
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * I
+        w_ptrs = w_base + offs_c[:, None] * stride_wn + offs_kb[None, :] * stride_wk
+        s_ptrs = s_base + offs_c[:, None] * stride_sn + offs_kg[None, :] * stride_sk
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                wt = _w4_tile(w_ptrs, s_ptrs, c_ok[:, None], c_ok[:, None], FMT, 2 * BLOCK_N, BLOCK_K, G)
+            else:
+                k_ok = offs_k < H - k0
+                kb_ok = offs_kb < (H - k0) // 2
+                kg_ok = offs_kg < (H - k0) // G
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wt = _w4_tile(w_ptrs, s_ptrs, c_ok[:, None] & kb_ok[None, :], c_ok[:, None] & kg_ok[None, :],
+                              FMT, 2 * BLOCK_N, BLOCK_K, G)
+            acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K // 2 * stride_wk
+            s_ptrs += BLOCK_K // G * stride_sk
+        if HAS_BIAS:
+            bias = tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        j_ok = offs_j < I
+        wg_ptrs = w_base + offs_j[:, None] * stride_wn + offs_kb[None, :] * stride_wk
+        wu_ptrs = wg_ptrs + I * stride_wn
+        sg_ptrs = s_base + offs_j[:, None] * stride_sn + offs_kg[None, :] * stride_sk
+        su_ptrs = sg_ptrs + I * stride_sn
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = _w4_tile(wg_ptrs, sg_ptrs, j_ok[:, None], j_ok[:, None], FMT, BLOCK_N, BLOCK_K, G)
+                wu = _w4_tile(wu_ptrs, su_ptrs, j_ok[:, None], j_ok[:, None], FMT, BLOCK_N, BLOCK_K, G)
+            else:
+                k_ok = offs_k < H - k0
+                kb_ok = offs_kb < (H - k0) // 2
+                kg_ok = offs_kg < (H - k0) // G
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wm = j_ok[:, None] & kb_ok[None, :]
+                sm = j_ok[:, None] & kg_ok[None, :]
+                wg = _w4_tile(wg_ptrs, sg_ptrs, wm, sm, FMT, BLOCK_N, BLOCK_K, G)
+                wu = _w4_tile(wu_ptrs, su_ptrs, wm, sm, FMT, BLOCK_N, BLOCK_K, G)
+            g = tl.dot(a, tl.trans(wg.to(a.dtype)), g)
+            u = tl.dot(a, tl.trans(wu.to(a.dtype)), u)
+            a_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K // 2 * stride_wk
+            wu_ptrs += BLOCK_K // 2 * stride_wk
+            sg_ptrs += BLOCK_K // G * stride_sk
+            su_ptrs += BLOCK_K // G * stride_sk
+        if FMT == 2:
+            g = g * tl.load(s2_ptr + e * stride_s2e)
+            u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
+        if HAS_BIAS:
+            bg = tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0)
+            bu = tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0)
+            g += bg.to(tl.float32)[None, :]
+            u += bu.to(tl.float32)[None, :]
+    out = _activate(g, u, limit, alpha, ACT)
+    act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
+    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
+def moe_down_w4_kernel(
+    act_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, num_m, k_tiles_per_split,
+    stride_ap, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_be,
+    stride_ys, stride_yn,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] = act_PI[p] @ W_d[e] over the I-range
+    of split s (k_tiles_per_split * BK wide); packed down [E, H, I/2], scales [E, H, I/G]."""
+    pid = tl.program_id(0)
+    s_id = tl.program_id(1)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    k_lo = tl.multiple_of(s_id * k_tiles_per_split * BLOCK_K, BLOCK_K)
+    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, I)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_kb = tl.arange(0, BLOCK_K // 2)
+    offs_kg = tl.arange(0, BLOCK_K // G)
+    a_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + (k_lo + offs_k)[None, :]
+    w_ptrs = w_ptr + e * stride_we + offs_h[:, None] * stride_wn + (k_lo // 2 + offs_kb)[None, :] * stride_wk
+    s_ptrs = s_ptr + e * stride_se + offs_h[:, None] * stride_sn + (k_lo // G + offs_kg)[None, :] * stride_sk
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+            wt = _w4_tile(w_ptrs, s_ptrs, h_ok[:, None], h_ok[:, None], FMT, BLOCK_N, BLOCK_K, G)
+        else:
+            k_ok = offs_k < k_hi - k0
+            kb_ok = offs_kb < (k_hi - k0) // 2
+            kg_ok = offs_kg < (k_hi - k0) // G
+            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            wt = _w4_tile(w_ptrs, s_ptrs, h_ok[:, None] & kb_ok[None, :], h_ok[:, None] & kg_ok[None, :],
+                          FMT, BLOCK_N, BLOCK_K, G)
+        acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K // 2 * stride_wk
+        s_ptrs += BLOCK_K // G * stride_sk
+    if FMT == 2:
+        acc = acc * tl.load(s2_ptr + e * stride_s2e)
+    if HAS_BIAS:
+        if s_id == 0:
+            bias = tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + s_id.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])

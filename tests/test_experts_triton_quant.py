@@ -1,0 +1,486 @@
+"""The `triton_quant` experts: FP8 block W8A8 and MXFP4 / NVFP4 W4A16 fused kernels.
+
+Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate, G the scale group
+along a reduction axis (fp8_block: bk; mxfp4 32; nvfp4 16).
+
+Three tiers, as tests/test_experts_triton.py:
+  * CPU, always: import without Triton, `supports` refusals, tile rules (pure Python), selection.
+  * CPU with Triton installed: the kernels under the Triton interpreter (TRITON_INTERPRET=1, in a
+    subprocess), fp16 activations for the FP4 formats (the interpreter has no bf16 dot).
+  * GPU (`-m gpu`, skipped without CUDA and Triton): bf16 and fp16 against the f32 reference,
+    partial edge blocks, E = 1 and E = 257, T in 1, 7, 64, 257, 1000, bitwise batch invariance
+    in the _bi mode, CUDA-graph capture + replay equal to eager.
+
+The reference (stated once): the f32 dequantized weights (`w.dequantize(torch.float32)`) run by
+moeflow's reference expert math (moeflow.experts.base gate_up_one / down_one, activations.py) on
+the same routing, combined in f32 in slot order. For fp8_block (W8A8) the reference quantizes the
+activations as the kernels do: the expert input per token per G channels and the f32 intermediate
+activation per pair per G channels, each through moeflow.quant.formats.quantize_fp8_activations
+and back (q * s).
+
+Tolerances: GPU bf16 / fp16, elementwise |out - ref| <= 0.03 * max|ref| + 0.03 * |ref| and
+rel-L2 <= 1e-2 (FP4: the weights are exact in bf16, the error is the bf16 intermediate and
+output; FP8: f32 sum order and the odd intermediate value rounded to the other fp8 neighbour);
+interpreter fp16 rel-L2 <= 3e-3 (FP4) and <= 1e-2 (FP8). Failures print max-abs and RMS
+(moeflow.testing.assert_close).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from moeflow.config import ExpertWeights, MoEConfig
+from moeflow.routing.spec import RouterSpec
+
+ROOT = Path(__file__).resolve().parents[1]
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+gpu = pytest.mark.gpu
+needs_gpu = pytest.mark.skipif(not (HAS_CUDA and HAS_TRITON), reason="needs CUDA and triton")
+
+
+# --------------------------------------------------------------------------- builders
+def quant_spec(fmt: str):
+    from moeflow.quant.spec import MXFP4, NVFP4, fp8_block_spec
+
+    if fmt == "fp8":
+        return fp8_block_spec((128, 128))
+    if fmt == "fp8_ue8m0":
+        return fp8_block_spec((128, 128), ue8m0=True)
+    if fmt == "fp8_b32":  # a small block: several K tiles on interpreter-sized shapes
+        return fp8_block_spec((32, 32))
+    return {"mxfp4": MXFP4, "nvfp4": NVFP4}[fmt]
+
+
+def make_quant_case(fmt, E, H, I, K, act, layout="linear", interleaved=False, bias=False, device="cpu",
+                    seed=0, weight_on_input=False):
+    """(MoEConfig, quantized ExpertWeights) from random weights scaled so activations are O(1).
+
+    Quantized with moeflow.quant.experts.quantize_experts, then made contiguous (what a
+    checkpoint stores; the quantizer may return transposed strides for layout "matmul").
+    """
+    from moeflow.quant.experts import quantize_experts
+
+    g = torch.Generator().manual_seed(seed)
+    limit = 0.75 if act in ("swiglu_clamp", "gptoss") else None  # small: the clamps bite
+    router = RouterSpec(score_fn="topk_sigmoid" if weight_on_input else "softmax", num_experts=E, top_k=K,
+                        weight_on_input=weight_on_input)
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=router, activation=act, swiglu_limit=limit,
+                    layout=layout, interleaved=interleaved, expert_bias=bias)
+    gu = torch.randn(E, 2 * I, H, generator=g) * (2.0 / H**0.5)
+    dn = torch.randn(E, H, I, generator=g) * (2.0 / I**0.5)
+    if layout == "matmul":
+        gu, dn = gu.transpose(1, 2).contiguous(), dn.transpose(1, 2).contiguous()
+    gb = torch.randn(E, 2 * I, generator=g) * 0.5 if bias else None
+    db = torch.randn(E, H, generator=g) * 0.5 if bias else None
+    wq = quantize_experts(ExpertWeights(gu, dn, gb, db, layout=layout, interleaved=interleaved), quant_spec(fmt))
+    fields = {n: (None if getattr(wq, n) is None else getattr(wq, n).contiguous().to(device))
+              for n in ExpertWeights.TENSOR_FIELDS}
+    return cfg, ExpertWeights(layout=layout, interleaved=interleaved, quant=wq.quant, **fields)
+
+
+def make_tokens(T, H, E, K, dtype, device, seed=1, skew=False):
+    """x [T, H], ids [T, K] int32 distinct per row, weights [T, K] f32."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, H, generator=g)
+    keys = torch.rand(T, E, generator=g)
+    if skew:  # the last expert in every row: one expert takes every token
+        keys[:, E - 1] = 2.0
+    ids = keys.topk(K, dim=1).indices.to(torch.int32)
+    wts = torch.softmax(torch.randn(T, K, generator=g), dim=1)
+    return x.to(dtype=dtype, device=device), ids.to(device), wts.to(device)
+
+
+def _fake_quant_fp8(v, group):
+    """v [R, C] f32 -> q * s, the dequantized per-row per-`group` FP8 activation quantization."""
+    from moeflow.quant.formats import quantize_fp8_activations
+
+    q, s = quantize_fp8_activations(v, group)
+    return q.to(torch.float32) * s.repeat_interleave(group, dim=1)[:, : v.shape[1]]
+
+
+def reference_quant(x, ids, wts, wq, cfg):
+    """(out_TH f32, y_TKH f32): the dequantized-f32 reference on the same routing (module docstring)."""
+    from moeflow.experts.activations import apply_activation
+    from moeflow.experts.base import down_one, gate_up_one
+
+    w32 = wq.dequantize(torch.float32)
+    w8a8 = wq.quant.format == "fp8_block"
+    group = wq.quant.block[1]
+    T, K = ids.shape
+    woi = cfg.router.weight_on_input
+    if woi:
+        rows = (x.unsqueeze(1) * wts.unsqueeze(-1).to(x.dtype)).reshape(T * K, -1).float()
+    else:
+        rows = x.float().repeat_interleave(K, 0)
+    if w8a8:
+        rows = _fake_quant_fp8(rows, group)
+    ids_N = ids.reshape(-1).long()
+    y = torch.zeros(T * K, x.shape[1], dtype=torch.float32, device=x.device)
+    for e in torch.unique(ids_N).tolist():
+        sel = (ids_N == e).nonzero().squeeze(1)
+        act = apply_activation(gate_up_one(rows[sel], w32, e), cfg)
+        if w8a8:
+            act = _fake_quant_fp8(act, group)
+        y[sel] = down_one(act, w32, e)
+    y = y.view(T, K, -1)
+    if woi:
+        return y.sum(1), y
+    out = torch.zeros(T, x.shape[1], dtype=torch.float32, device=x.device)
+    for k in range(K):
+        out += wts[:, k : k + 1].float() * y[:, k]
+    return out, y
+
+
+def rel_l2(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
+
+
+def check_close(out, ref, what, *, tol_rel_l2=1e-2, elementwise=True):
+    from moeflow.testing import assert_close, error_stats
+
+    max_abs, rms, _ = error_stats(out.float(), ref)
+    err = rel_l2(out.float(), ref)
+    print(f"{what}: max_abs {max_abs:.3e} rms {rms:.3e} rel-L2 {err:.3e}")
+    if elementwise:
+        scale = float(ref.abs().max())
+        assert_close(out.float(), ref, rtol=0.03, atol=0.03 * scale, what=what)
+    assert err <= tol_rel_l2, f"{what}: rel-L2 {err:.3e} > {tol_rel_l2} (max_abs {max_abs:.3e}, rms {rms:.3e})"
+    return err
+
+
+# --------------------------------------------------------------------------- CPU: no Triton needed
+def test_import_needs_neither_triton_nor_cuda():
+    code = (
+        "import sys; sys.modules['triton'] = None\n"
+        "import moeflow.experts.triton_quant as m\n"
+        "from moeflow.config import MoEConfig; from moeflow.routing.spec import RouterSpec\n"
+        "cfg = MoEConfig(hidden_size=8, intermediate_size=8, activation='silu',"
+        " router=RouterSpec(score_fn='softmax', num_experts=4, top_k=2))\n"
+        "ok, why = m.TritonQuantExperts().supports(cfg)\n"
+        "assert not ok and 'triton' in why, (ok, why)\n"
+        "assert 'triton' not in sys.modules or sys.modules['triton'] is None\n"
+        "print('OK')\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0 and "OK" in proc.stdout, proc.stderr
+
+
+def test_import_does_not_load_triton():
+    code = "import sys, moeflow.experts.triton_quant; print('triton' in sys.modules)"
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "False"
+
+
+def test_names_and_formats():
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    assert TritonQuantExperts().name == "triton_quant"
+    assert TritonQuantExperts(batch_invariant=True).name == "triton_quant_bi"
+    assert TritonQuantExperts.quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    with pytest.raises(TypeError, match="batch_invariant"):
+        TritonQuantExperts(batch_invariant=1)
+
+
+@pytest.mark.skipif(HAS_CUDA and HAS_TRITON, reason="checks the refusal without CUDA or triton")
+def test_supports_refuses_without_cuda_or_triton():
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    cfg, wq = make_quant_case("mxfp4", 2, 64, 64, 1, "silu")
+    ok, why = TritonQuantExperts().supports(cfg)
+    assert not ok and ("CUDA" in why or "triton" in why)
+    x, ids, wts = make_tokens(2, 64, 2, 1, torch.bfloat16, "cpu")
+    with pytest.raises(ValueError, match="refuses this config"):
+        TritonQuantExperts().forward_tokens(x, ids, wts, wq, cfg)
+
+
+def test_tile_rules():
+    from moeflow.experts.triton_quant import check_tile_config, quant_tile_config
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    for fmt, group in (("fp8_block", 128), ("mxfp4", 32), ("nvfp4", 16)):
+        for T in (1, 7, 64, 257, 1000, 8192):
+            for bi in (False, True):
+                for small in (False, True):
+                    c = quant_tile_config(fmt, group, 256, 7168, 2048, 8, T, batch_invariant=bi, small=small)
+                    check_tile_config(c, fmt, group)
+                    if bi:
+                        assert c.down.split_k == 1
+        bi = {quant_tile_config(fmt, group, 256, 7168, 2048, 8, T, batch_invariant=True) for T in (1, 64, 8192)}
+        assert len(bi) == 1, "batch-invariant mode: one configuration for every T"
+    dec = quant_tile_config("fp8_block", 128, 256, 7168, 2048, 8, 1)
+    assert dec.block_m == 16 and dec.gate_up.block_n == 128 and dec.gate_up.block_k == 128
+    t = GemmTile(block_n=64, block_k=64)
+    with pytest.raises(ValueError, match=r"gate_up.block_k=64: fp8_block needs block_k == the scale block bk = 128"):
+        check_tile_config(MoETileConfig(block_m=16, gate_up=t, down=t), "fp8_block", 128)
+    t128 = GemmTile(block_n=64, block_k=128)
+    with pytest.raises(ValueError, match=r"gate_up.block_n=64: fp8_block needs a multiple of bk = 128"):
+        check_tile_config(MoETileConfig(block_m=16, gate_up=t128, down=t128), "fp8_block", 128)
+    with pytest.raises(ValueError, match=r"down.block_k=16: mxfp4 needs a multiple of its group 32"):
+        check_tile_config(MoETileConfig(block_m=16, gate_up=t, down=GemmTile(block_n=64, block_k=16)), "mxfp4", 32)
+
+
+def test_selector_registers_triton_quant():
+    from moeflow.experts import select
+    from moeflow.quant.spec import MXFP4
+
+    if "triton_quant" not in select.available_impls():
+        pytest.skip("select has no triton_quant registration (triton not installed)")
+    impl = select.get_impl("triton_quant")
+    assert impl.name == "triton_quant" and "mxfp4" in impl.quant_formats
+    assert select.get_impl("triton_quant_bi").name == "triton_quant_bi"
+    cfg, _ = make_quant_case("mxfp4", 2, 64, 64, 1, "silu")
+    # on CPU, auto never picks a Triton impl; quantized weights go to the reference
+    assert select.select_experts_impl(cfg, "cpu", 4, quant=MXFP4).name == "reference"
+    if HAS_CUDA and HAS_TRITON:
+        assert select.select_experts_impl(cfg, "cuda", 4, quant=MXFP4).name == "triton_quant"
+
+
+# --------------------------------------------------------------------------- CPU: Triton interpreter
+def _run_interp(check: str) -> None:
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
+        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, __file__, check], cwd=ROOT, capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert f"PASS {check}" in proc.stdout, proc.stdout
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
+@pytest.mark.parametrize("check", ["fp8", "fp4", "modes"])
+def test_interpreter(check):
+    _run_interp(check)
+
+
+def _patch_interpreter() -> None:
+    """Test-only fixes of Triton 3.6's interpreter: numpy >= 2.4 index of 1-element arrays (as in
+    test_experts_triton.py), and f32 -> float8e4nv conversion, which the interpreter rounds by its
+    cut-off bit only (a mantissa carry corrupts the exponent); torch's conversion (round to nearest
+    even, as the GPU's cvt.rn) stands in."""
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if not getattr(orig, "_moeflow_patched", False):
+        def patched(tensor, scope):
+            orig(tensor, scope)
+            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+        patched._moeflow_patched = True
+        interp._patch_lang_tensor = patched
+    builder = interp.InterpreterBuilder
+    orig_fp = builder.create_fp_to_fp
+    if getattr(orig_fp, "_moeflow_patched", False):
+        return
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+            return interp.TensorHandle(data.view(torch.uint8).numpy(), tl.float8e4nv)
+        return orig_fp(self, src, dst_type, rounding_mode)
+
+    fp_to_fp._moeflow_patched = True
+    builder.create_fp_to_fp = fp_to_fp
+
+
+INTERP_CASES = [
+    # (fmt, E, H, I, K, activation, layout, interleaved, bias, weight_on_input)
+    ("fp8_b32", 5, 80, 48, 2, "silu", "linear", False, False, False),        # H, I not multiples of 32
+    ("fp8_b32", 3, 64, 64, 2, "swiglu_clamp", "linear", False, True, False),
+    ("fp8_ue8m0", 4, 160, 96, 2, "gelu_tanh", "matmul", False, False, False),  # one partial 128 block
+    ("fp8_b32", 4, 64, 32, 1, "silu", "matmul", False, False, True),          # llama4: weight on input
+    ("mxfp4", 3, 96, 64, 2, "gptoss", "matmul", True, True, False),           # gpt-oss: interleaved, bias
+    ("mxfp4", 5, 64, 96, 2, "silu", "linear", False, False, False),
+    ("nvfp4", 4, 48, 80, 2, "silu", "linear", False, False, False),           # multiples of 16 only
+    ("nvfp4", 1, 64, 32, 1, "gelu_tanh", "matmul", False, True, False),       # E = 1, bias
+]
+
+
+def check_cases(cases, device, dtype, T_list, impls, tol_fp8, tol_fp4, elementwise) -> None:
+    for fmt, E, H, I, K, act, layout, il, bias, woi in cases:
+        cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device=device, weight_on_input=woi)
+        tol = tol_fp8 if fmt.startswith("fp8") else tol_fp4
+        for T in T_list:
+            x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+            ref, y_ref = reference_quant(x, ids, wts, wq, cfg)
+            for mode, impl in impls:
+                out = impl.forward_tokens(x, ids, wts, wq, cfg)
+                assert out.dtype == dtype and out.shape == (T, H)
+                check_close(out, ref, f"{fmt} E={E} H={H} I={I} {act} T={T} {mode} forward_tokens",
+                            tol_rel_l2=tol, elementwise=elementwise)
+            if not woi:
+                yp = impls[0][1].forward_pairs(x.repeat_interleave(K, 0), ids.reshape(-1), wq, cfg)
+                check_close(yp, y_ref.reshape(T * K, H), f"{fmt} T={T} forward_pairs", tol_rel_l2=tol,
+                            elementwise=elementwise)
+
+
+def check_batch_invariance(fmt, device, dtype, Tmax, T_list, impl) -> None:
+    from moeflow.testing import assert_bitwise_equal
+
+    shapes = {"fp8": (16, 200, 176, 4, "silu", "linear", False, False),
+              "fp8_b32": (6, 80, 48, 2, "silu", "linear", False, False),
+              "mxfp4": (16, 320, 288, 4, "gptoss", "matmul", True, True),
+              "nvfp4": (12, 272, 208, 3, "silu", "linear", False, False)}
+    E, H, I, K, act, layout, il, bias = shapes[fmt]
+    if device == "cpu":
+        E, H, I = min(E, 6), min(H, 96), min(I, 64)
+    cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device=device)
+    x, ids, wts = make_tokens(Tmax, H, E, K, dtype, device, seed=11)
+    full = impl.forward_tokens(x, ids, wts, wq, cfg)
+    for T in T_list:
+        part = impl.forward_tokens(x[:T], ids[:T], wts[:T], wq, cfg)
+        assert_bitwise_equal(part, full[:T], what=f"{fmt}: batch-invariant T={T} vs T={Tmax}")
+    perm = torch.randperm(Tmax, generator=torch.Generator().manual_seed(0)).to(device)
+    assert_bitwise_equal(impl.forward_tokens(x[perm], ids[perm], wts[perm], wq, cfg), full[perm],
+                         what=f"{fmt}: batch-invariant, shuffled")
+    again = impl.forward_tokens(x, ids, wts, wq, cfg)
+    assert_bitwise_equal(again, full, what=f"{fmt}: deterministic")
+    bad = ids.clone()
+    bad[3, 0] = E  # out of range: that token's row is NaN, the others untouched
+    out = impl.forward_tokens(x, bad, wts, wq, cfg)
+    assert torch.isnan(out[3]).all(), f"{fmt}: a pair with an out-of-range id must poison its token's row"
+    keep = torch.ones(Tmax, dtype=torch.bool, device=device)
+    keep[3] = False
+    assert_bitwise_equal(out[keep], full[keep], what=f"{fmt}: other rows untouched by a bad id")
+
+
+def _interp_main(check: str) -> None:
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    _patch_interpreter()
+    impls = [("default", TritonQuantExperts(allow_cpu=True)),
+             ("batch_invariant", TritonQuantExperts(allow_cpu=True, batch_invariant=True))]
+    if check == "fp8":
+        check_cases([c for c in INTERP_CASES if c[0].startswith("fp8")], "cpu", torch.float16, (1, 19), impls,
+                    1e-2, 3e-3, elementwise=False)
+        check_cases(INTERP_CASES[:1], "cpu", torch.bfloat16, (5,), impls[:1], 1e-2, 3e-3, elementwise=False)
+    elif check == "fp4":
+        check_cases([c for c in INTERP_CASES if not c[0].startswith("fp8")], "cpu", torch.float16, (1, 19),
+                    impls, 1e-2, 3e-3, elementwise=False)
+    elif check == "modes":
+        for fmt in ("fp8_b32", "mxfp4", "nvfp4"):
+            check_batch_invariance(fmt, "cpu", torch.float16, 40, (1, 2, 17), impls[1][1])
+    else:
+        raise SystemExit(f"unknown check {check!r}")
+    print(f"PASS {check}")
+
+
+# --------------------------------------------------------------------------- GPU
+GPU_CASES = [
+    # (fmt, E, H, I, K, activation, layout, interleaved, bias, weight_on_input)
+    ("fp8", 16, 384, 256, 4, "silu", "linear", False, False, False),            # whole 128 blocks
+    ("fp8", 7, 200, 176, 2, "swiglu_clamp", "linear", False, False, False),     # partial edge blocks
+    ("fp8_ue8m0", 9, 256, 192, 3, "silu", "linear", False, True, False),        # UE8M0 scales, bias
+    ("fp8", 1, 256, 128, 1, "silu", "linear", False, False, False),             # E = 1
+    ("fp8", 257, 128, 128, 8, "silu", "linear", False, False, False),           # E = 257
+    ("fp8", 8, 256, 256, 1, "silu", "matmul", False, False, True),              # llama4: weight on input
+    ("mxfp4", 16, 320, 288, 4, "gptoss", "matmul", True, True, False),          # gpt-oss; partial K tiles
+    ("mxfp4", 9, 256, 160, 2, "silu", "linear", False, False, False),
+    ("mxfp4", 257, 128, 96, 8, "silu", "linear", False, False, False),          # E = 257
+    ("nvfp4", 12, 272, 208, 3, "silu", "linear", False, False, False),          # multiples of 16 only
+    ("nvfp4", 1, 128, 64, 1, "gelu_tanh", "matmul", False, True, False),        # E = 1, bias
+]
+GPU_TOKENS = (1, 7, 64, 257, 1000)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-{c[5]}" for c in GPU_CASES])
+def test_gpu_matches_reference(case):
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    impls = [("default", TritonQuantExperts()), ("batch_invariant", TritonQuantExperts(batch_invariant=True))]
+    check_cases([case], "cuda", torch.bfloat16, GPU_TOKENS, impls, 1e-2, 1e-2, elementwise=True)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_gpu_fp16_activations(fmt):
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    case = next(c for c in GPU_CASES if c[0] == fmt)
+    check_cases([case], "cuda", torch.float16, (7, 257), [("default", TritonQuantExperts())], 1e-2, 1e-2,
+                elementwise=True)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_gpu_batch_invariant_bitwise(fmt):
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    check_batch_invariance(fmt, "cuda", torch.bfloat16, 1000, (1, 7, 64, 257), TritonQuantExperts(batch_invariant=True))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt,T", [("fp8", 1), ("fp8", 300), ("mxfp4", 1), ("mxfp4", 300), ("nvfp4", 4)])
+def test_gpu_cuda_graph_replay(fmt, T):
+    from moeflow.experts.triton_quant import TritonQuantExperts
+    from moeflow.testing import assert_bitwise_equal
+
+    case = next(c for c in GPU_CASES if c[0] == fmt)
+    _, E, H, I, K, act, layout, il, bias, woi = case
+    cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device="cuda")
+    impl = TritonQuantExperts()
+    x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=1)
+    sx, sids, swts = x.clone(), ids.clone(), wts.clone()
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        impl.forward_tokens(sx, sids, swts, wq, cfg)  # warm-up (compiles) off the capture
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = impl.forward_tokens(sx, sids, swts, wq, cfg)
+    for seed in (2, 3):
+        x2, ids2, wts2 = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=seed, skew=seed == 3)
+        sx.copy_(x2)
+        sids.copy_(ids2)
+        swts.copy_(wts2)
+        g.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(out, impl.forward_tokens(x2, ids2, wts2, wq, cfg),
+                             what=f"{fmt}: graph replay T={T} seed={seed}")
+
+
+@gpu
+@needs_gpu
+def test_gpu_moe_layer_auto_picks_triton_quant():
+    from moeflow.experts import select
+
+    if "triton_quant" not in select.available_impls():
+        pytest.fail("select does not register triton_quant")
+    from moeflow.layer import MoELayer
+
+    cfg, wq = make_quant_case("fp8", 16, 256, 128, 4, "silu", device="cuda")
+    g = torch.Generator(device="cuda").manual_seed(0)
+    router_w = torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
+    fast = MoELayer(cfg, router_weight_EH=router_w, experts=wq, experts_impl="auto")
+    ref = MoELayer(cfg, router_weight_EH=router_w, experts=wq, experts_impl="reference")
+    for T in (1, 9, 300):
+        x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        out = fast(x)
+        assert fast.impl_name == "triton_quant"
+        # against the weight-only reference: W8A8 adds the activation quantization error
+        check_close(out, ref(x).float(), f"MoELayer fp8 T={T} auto vs weight-only reference", tol_rel_l2=6e-2,
+                    elementwise=False)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) != 2:
+        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton_quant.py {fp8|fp4|modes}")
+    _interp_main(sys.argv[1])
