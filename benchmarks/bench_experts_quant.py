@@ -211,8 +211,8 @@ def bench_shape(name: str, spec: dict, args, roofs: dict, timers: dict, dev, act
           f"{plain.nbytes / 2**30:.2f} GiB {str(act_dtype).split('.')[-1]}) in {time.time() - tb:.1f}s", flush=True)
     E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
     cpu = dev.type == "cpu"
-    quant = TritonQuantExperts(allow_cpu=cpu)
-    quant_bi = TritonQuantExperts(batch_invariant=True, allow_cpu=cpu)
+    quant = TritonQuantExperts(allow_cpu=cpu, fp8=True)
+    quant_bi = TritonQuantExperts(batch_invariant=True, allow_cpu=cpu, fp8=True)
     bf16 = TritonExperts(allow_cpu=cpu)
     w8a8 = spec["fmt"] == "fp8"
     rows: list[dict] = []

@@ -272,21 +272,11 @@ def test_config_and_attach_errors():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("mode", ["always", "auto"])
-def test_cuda_cpu_experts_within_bf16_tolerance(family, mode):
-    # The GPU experts run their impl, the CPU rows "reference" on the pinned host store:
-    # the stated bf16 tolerance on every output; "off" stays bitwise (test_offload_model.py).
-    ref = _model(family).to("cuda", torch.bfloat16)
-    off = copy.deepcopy(ref)
-    K = ref[0].config.top_k
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3, device="cuda",
-                                                 cpu_experts=mode), progress=False)
-    if mode == "auto":
-        rt.set_bandwidths(cpu_Bps=1e12, pcie_Bps=1e9)  # the CPU wins every one-row miss
-    seq, prefill = _inputs(1)
-    for x in [*seq, prefill]:
-        _layers_close(off, ref, x.to("cuda", torch.bfloat16), **BF16_TOL)
-    torch.cuda.synchronize()
-    assert rt.cpu_stats().cpu_experts > 0
-    _check_counts(rt)
+def test_cuda_cpu_experts_are_refused_until_validated(mode):
+    # On the H200 (2026-12-02) the CUDA-cache path exceeded the stated bf16 tolerance for the
+    # deepseek, gpt_oss, longcat and llama4 layers (mixtral held): it is refused by name on a
+    # CUDA cache until that is fixed; the CPU-cache path above is the validated one.
+    ref = _model("mixtral").to("cuda", torch.bfloat16)
+    with pytest.raises(ValueError, match="cpu_experts=.*CUDA cache"):
+        attach_offload(list(ref), OffloadConfig(gpu_slots=4, device="cuda", cpu_experts=mode), progress=False)

@@ -160,12 +160,12 @@ def test_replay_of_adaptive_matches_the_live_cache(prefetch):
     with torch.no_grad():
         ref, off, rt = _offloaded("adaptive", prefetch)
         seq, _ = _inputs(6, n_decode=24)
-        with record_trace(off, width=2) as rec:
+        # record at least as wide as the live predictor ranks (prefetch_width, else K for "adaptive")
+        with record_trace(off, width=max(2, rt.prefetcher.width)) as rec:
             for x in seq:
                 run_model(off, x)
-    # the live predictor's width: prefetch_width, else (once OffloadConfig lists "adaptive") K; an
-    # "lru" config swapped to adaptive predicts nothing without prefetch
-    width = None if prefetch or "adaptive" in cfg_mod.POLICIES else 0
+    # replay with the live predictor's width (an "lru" config swapped to adaptive predicts nothing)
+    width = None if prefetch else (rt.prefetcher.width if "adaptive" in cfg_mod.POLICIES else 0)
     r = replay(rec.trace, 5, "adaptive", prefetch, predict_width=width)
     s = rt.stats()
     assert (r.hits, r.misses, r.prefetch_issued, r.prefetch_used, r.prefetch_wasted, r.bytes_copied) == \

@@ -178,10 +178,18 @@ class TritonQuantExperts:
 
     name = "triton_quant"
     device_types = ("cuda",)
-    quant_formats = ("fp8_block", "mxfp4", "nvfp4")
+    # FP8 W8A8 is opt-in (fp8=True): on the H200 (2026-12-02) it missed its accuracy bound
+    # against the W8A8 reference (rel-L2 up to 2.6e-2, bound 1e-2; elementwise 1 of 25600
+    # outside 3%), while the interpreter met it; until that is understood the registered
+    # impl runs the FP4 formats only and FP8 layers keep the reference experts.
+    quant_formats = ("mxfp4", "nvfp4")
 
     def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
-                 allow_cpu: bool = False) -> None:
+                 allow_cpu: bool = False, fp8: bool = False) -> None:
+        if not isinstance(fp8, bool):
+            raise TypeError(f"TritonQuantExperts.fp8={fp8!r}: expected a bool")
+        if fp8:
+            self.quant_formats = ("fp8_block", "mxfp4", "nvfp4")
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"TritonQuantExperts.batch_invariant={batch_invariant!r}: expected a bool")
         if tile_config is not None and not isinstance(tile_config, MoETileConfig):

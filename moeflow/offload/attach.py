@@ -450,6 +450,10 @@ def _read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[in
 def _check_cpu_experts(config: OffloadConfig, store_or_weights) -> None:
     """ValueError naming OffloadConfig.cpu_experts when the experts cannot run on the CPU (quantized)."""
     quant = getattr(store_or_weights, "quant", None)
+    if config.cpu_experts != "off" and torch.device(config.resolved_device()).type == "cuda":
+        # Measured on the H200: outputs outside the stated bf16 tolerance for 4 of 5 families.
+        raise ValueError(f"OffloadConfig.cpu_experts={config.cpu_experts!r}: not validated on a CUDA cache yet "
+                         f"(its GPU test failed); expected cpu_experts='off' with device={config.device!r}")
     if config.cpu_experts != "off" and quant is not None:
         raise ValueError(f"OffloadConfig.cpu_experts={config.cpu_experts!r}: quantized experts (format "
                          f"{getattr(quant, 'format', quant)!r}) are not run on the CPU; expected cpu_experts='off'")
