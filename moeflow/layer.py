@@ -94,10 +94,11 @@ def routed_forward(
     spec = config.router
     _check_routing_shapes(x_TH, routing, spec.top_k)
     T = int(x_TH.shape[0])
-    if isinstance(requested, str):
+    impl = requested
+    if isinstance(requested, str) and dispatcher.fuses:
+        # One device: the impl for these T tokens decides whether the fused form is used.
+        # (Under EP the impl follows the rows that arrive: chosen once, after dispatch.)
         impl = select_experts_impl(config, x_TH.device, T, requested, quant=quant)
-    else:
-        impl = requested
     fused = dispatcher.fuses and spec.num_zero_experts == 0 and getattr(impl, "forward_tokens", None) is not None
     if T == 0 and dispatcher.fuses:
         return x_TH.new_zeros(0, config.hidden_size), impl

@@ -500,9 +500,6 @@ def check_offload(layers: Sequence, config: OffloadConfig) -> list[ExpertWeights
     config.check_layers([layer.config.top_k for layer in layers], [layer.config.num_experts for layer in layers])
     weights = [_resident_weights(layer, i) for i, layer in enumerate(layers)]
     _check_cpu_experts(config, weights[0])
-    dev = torch.device(config.resolved_device())
-    if dev.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"OffloadConfig.device={config.device!r}: CUDA is not available on this machine")
     if config.store == "mmap" or (config.store == "auto" and config.checkpoint is not None):
         if config.checkpoint is not None and not os.path.exists(os.fspath(config.checkpoint)):
             raise ValueError(f"OffloadConfig.checkpoint={os.fspath(config.checkpoint)!r}: no such file or directory")

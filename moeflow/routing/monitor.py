@@ -25,6 +25,7 @@ caller checks after each replay (`check(wait=True)`).
 
 from __future__ import annotations
 
+import collections
 import threading
 
 import torch
@@ -39,14 +40,20 @@ def _capturing() -> bool:
 class RoutingMonitor:
     """Collects the device routing statuses of one model's layers (see the module docstring)."""
 
+    # Flags in flight at once: forwards enqueued back to back (no sync between them) wait for
+    # the oldest flag only when this many are still pending on the device.
+    RING = 4
+
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._pending: list = []  # statuses of the forward in progress
-        self._inflight: tuple[list, torch.Tensor, torch.cuda.Event] | None = None  # (statuses, host flag, event)
-        # One pinned flag and one event, allocated at the first forward (cudaHostAlloc is slow):
-        # a flag is only reused after poll() has consumed the previous one.
+        # (statuses, ring slot) per forward whose flag is in flight, oldest first
+        self._inflight: collections.deque[tuple[list, int]] = collections.deque()
+        # RING pinned flags and events, allocated at the first forward (cudaHostAlloc is slow);
+        # a slot is reused only after poll() has consumed its flag.
         self._host: torch.Tensor | None = None
-        self._event: torch.cuda.Event | None = None
+        self._events: list = []
+        self._next = 0
 
     # Layers called outside a model forward (a benchmark looping over one layer) never reach
     # end_forward: past this many pending statuses they are folded into one flag.
@@ -61,50 +68,59 @@ class RoutingMonitor:
             self.end_forward()
 
     def end_forward(self) -> None:
-        """Enqueue the forward's one error flag (device op + non-blocking copy + event); no sync."""
+        """Enqueue the forward's one error flag (device op + non-blocking copy + event); no sync
+        unless RING flags are still in flight."""
         if _capturing():
             return
         with self._lock:
             pending, self._pending = self._pending, []
         if not pending:
             return
-        self.poll()  # a previous flag still in flight is checked first (free when it has landed)
+        self.poll()  # flags that have landed are checked first (free)
         rows = [s.status_T.reshape(-1) for s in pending if s.status_T.numel()]
         if not rows:
             return
         dev = rows[0].device
-        if self._inflight is not None:  # the previous flag has not landed: wait for it (rare)
-            self.poll(wait=True)
+        while len(self._inflight) >= self.RING:  # all slots in flight: wait for the oldest (rare)
+            self._consume(wait=True)
         if self._host is None:
-            self._host = torch.zeros(1, dtype=torch.int32, pin_memory=True)
-            self._event = torch.cuda.Event()
+            self._host = torch.zeros(self.RING, dtype=torch.int32, pin_memory=True)
+            self._events = [torch.cuda.Event() for _ in range(self.RING)]
+        slot = self._next
+        self._next = (slot + 1) % self.RING
         flag = torch.cat(rows).amax().to(torch.int32).reshape(1)
-        self._host.copy_(flag, non_blocking=True)
-        self._event.record(torch.cuda.current_stream(dev))
+        self._host[slot : slot + 1].copy_(flag, non_blocking=True)
+        self._events[slot].record(torch.cuda.current_stream(dev))
         with self._lock:
-            self._inflight = (pending, self._host, self._event)
+            self._inflight.append((pending, slot))
+
+    def _consume(self, *, wait: bool) -> bool:
+        """Check the oldest flag in flight if it has landed (or wait for it); False: nothing to do now."""
+        with self._lock:
+            if not self._inflight:
+                return False
+            statuses, slot = self._inflight[0]
+            event = self._events[slot]
+            if not wait and not event.query():
+                return False
+            self._inflight.popleft()
+        if wait:
+            event.synchronize()
+        if int(self._host[slot]) != 0:
+            for s in statuses:
+                s.check()  # the error path: find and name the failed row (syncs)
+        return True
 
     def poll(self, *, wait: bool = False) -> None:
         """Raise the named ValueError if a finished forward's flag says a row failed.
 
-        wait=False: only look at a flag whose event has completed (no host sync);
-        wait=True: wait for it (one sync).
+        wait=False: only look at flags whose events have completed (no host sync);
+        wait=True: wait for every flag in flight (syncs).
         """
         if _capturing():
             return
-        with self._lock:
-            inflight = self._inflight
-            if inflight is None:
-                return
-            statuses, host, event = inflight
-            if not wait and not event.query():
-                return
-            self._inflight = None
-        if wait:
-            event.synchronize()
-        if int(host[0]) != 0:
-            for s in statuses:
-                s.check()  # the error path: find and name the failed row (syncs)
+        while self._consume(wait=wait):
+            pass
 
     def check(self, *, wait: bool = True) -> None:
         """Check everything routed so far: the pending statuses and the one in flight."""
