@@ -6,6 +6,9 @@ For each standard shape (shared/spec/benchmarks.md), each T and each routing (un
 on the same bf16 weights and inputs:
     moeflow        TritonExperts().forward_tokens, eager and under CUDA-graph replay
     moeflow_bi     TritonExperts(batch_invariant=True), eager and graph (the mode's cost)
+    moeflow_4l     where `moeflow` takes the two-launch decode path (--decode-max-pairs 64; off
+                   by default in the library): the aligned 4-launch path
+                   (TritonExperts(decode_max_pairs=0)), eager and graph, for old-vs-new
     hf_eager / hf_batched_mm / hf_grouped_mm
                    the transformers experts module of the family (MixtralExperts, GptOssExperts)
                    with config._experts_implementation set, sharing our weight tensors
@@ -15,8 +18,9 @@ Every implementation is checked against an fp32 reference (rel-L2 <= 2e-2) befor
 a wrong one is reported and not timed. Times are medians of >= 20 CUDA-event timings with L2
 flushed before each (256 MB write) so weights come from HBM.
 
-Roofs measured in the same run: HBM = 2 GiB device copy (read + write bytes / time), compute =
-8192^3 bf16 mm. floor = max(bytes of distinct experts touched + x + out over HBM, 2*3*H*I*T*K
+Roofs measured in the same run: HBM = the faster of two read-only reductions over 2 GiB (bytes
+read / time; the 2 GiB device copy's (read + write) / time is printed beside it as hbm_copy),
+compute = 8192^3 bf16 mm. floor = max(bytes of distinct experts touched + x + out over HBM, 2*3*H*I*T*K
 FLOP over compute); roof_frac = floor / time; vs_hf = best HF time / time (both eager, and our
 graph time against the same HF figure).
 
@@ -47,6 +51,7 @@ from benchmarks.common import (  # noqa: E402
     compute_roof_flops,
     env_info,
     format_table,
+    hbm_read_roof_bytes_per_s,
     hbm_roof_bytes_per_s,
     time_cpu,
     time_cuda,
@@ -196,9 +201,14 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
         rows.append(row)
 
-    ours = TritonExperts(allow_cpu=dev.type == "cpu")
-    ours_bi = TritonExperts(batch_invariant=True, allow_cpu=dev.type == "cpu")
-    for name, impl in (("moeflow", ours), ("moeflow_bi", ours_bi)):
+    ours = TritonExperts(allow_cpu=dev.type == "cpu", decode_max_pairs=args.decode_max_pairs)
+    impls = [("moeflow", ours)]
+    base["path"] = "decode" if ours.uses_decode_path(T, K, E) else "aligned"
+    if base["path"] == "decode" and not args.no_old:
+        impls.append(("moeflow_4l", TritonExperts(decode_max_pairs=0, allow_cpu=dev.type == "cpu")))
+    if not args.no_bi:
+        impls.append(("moeflow_bi", TritonExperts(batch_invariant=True, allow_cpu=dev.type == "cpu")))
+    for name, impl in impls:
         def fn(impl=impl):
             return impl.forward_tokens(x, ids, wts, w, cfg)
 
@@ -211,7 +221,8 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             except Exception as e:
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
             rows.append(row)
-        rows[-1]["tiles"] = impl.tile_config_for(w, K, T).to_dict()
+        rows[-1]["tiles"] = (impl.decode_config_for(w, K, T) if impl.uses_decode_path(T, K, E)
+                             else impl.tile_config_for(w, K, T)).to_dict()
         if name == "moeflow_bi" and T > 1:
             # batch invariance, checked where it is timed: token 0 alone == token 0 in this batch
             alone = impl.forward_tokens(x[:1], ids[:1], wts[:1], w, cfg)
@@ -237,7 +248,7 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
                 return mod(x, ids64, wts)
 
         add(f"hf_{hf_impl}", "eager", hfn, hfn)
-    runner, why = torch_gmm_runner(x, ids, w, cfg)
+    runner, why = (None, "--no-gmm") if args.no_gmm else torch_gmm_runner(x, ids, w, cfg)
     if runner is None:
         rows.append(dict(base, impl="torch_gmm", mode="eager", status=f"skipped: {why}"))
     else:
@@ -262,7 +273,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = {}
     for r in rows:
         k = (r["shape"], r["routing"], r["T"])
-        s = out.setdefault(k, dict(shape=r["shape"], routing=r["routing"], T=r["T"],
+        s = out.setdefault(k, dict(shape=r["shape"], routing=r["routing"], T=r["T"], path=r.get("path", ""),
                                    floor_us=r["floor_s"] * 1e6, floor=r["floor_kind"]))
         if "time_s" not in r:
             if r["status"].startswith(("WRONG", "error")):
@@ -272,7 +283,8 @@ def summarize(rows: list[dict]) -> list[dict]:
         if "bi_bitwise_vs_T1" in r:
             s["bi_bitwise"] = r["bi_bitwise_vs_T1"]
         key = {("moeflow", "eager"): "ours_us", ("moeflow", "graph"): "ours_graph_us",
-               ("moeflow_bi", "eager"): "bi_us", ("moeflow_bi", "graph"): "bi_graph_us"}.get((r["impl"], r["mode"]))
+               ("moeflow_bi", "eager"): "bi_us", ("moeflow_bi", "graph"): "bi_graph_us",
+               ("moeflow_4l", "eager"): "old_us", ("moeflow_4l", "graph"): "old_graph_us"}.get((r["impl"], r["mode"]))
         if key:
             s[key] = us
         elif r["impl"] == "torch_gmm":
@@ -284,6 +296,10 @@ def summarize(rows: list[dict]) -> list[dict]:
         best_ours = s.get("ours_graph_us", s.get("ours_us"))
         if best_ours:
             s["roof_frac"] = s["floor_us"] / best_ours
+        old = s.get("old_graph_us", s.get("old_us"))
+        if best_ours and old:
+            s["old_roof_frac"] = s["floor_us"] / old
+            s["speedup_vs_old"] = old / best_ours
         if "ours_us" in s and "best_hf_us" in s:
             s["vs_hf"] = s["best_hf_us"] / s["ours_us"]
             if "ours_graph_us" in s:
@@ -297,7 +313,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     return lines
 
 
-SUMMARY_COLUMNS = ["shape", "routing", "T", "floor", "floor_us", "ours_us", "ours_graph_us", "roof_frac",
+SUMMARY_COLUMNS = ["shape", "routing", "T", "path", "floor", "floor_us", "ours_us", "ours_graph_us", "roof_frac",
+                   "old_us", "old_graph_us", "old_roof_frac", "speedup_vs_old",
                    "bi_graph_us", "bi_cost", "bi_bitwise", "best_hf", "best_hf_us", "vs_hf", "vs_hf_graph", "torch_gmm_us",
                    "notes"]
 
@@ -311,6 +328,11 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS}, uniform routing only")
     ap.add_argument("--no-graph", action="store_true")
+    ap.add_argument("--no-bi", action="store_true", help="skip the batch-invariant mode")
+    ap.add_argument("--no-old", action="store_true", help="skip the aligned path at decode-path points")
+    ap.add_argument("--decode-max-pairs", type=int, default=None,
+                    help="TritonExperts(decode_max_pairs=...) for `moeflow` (default: the library default)")
+    ap.add_argument("--no-gmm", action="store_true", help="skip the torch grouped-GEMM baseline")
     ap.add_argument("--out-dir", default=str(ROOT / "out"))
     ap.add_argument("--tag", default="bench_experts")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this long")
@@ -332,7 +354,7 @@ def main(argv=None) -> int:
         dev, dtype = torch.device("cpu"), torch.float32
         names = ["tiny-silu", "tiny-gptoss"] if args.shapes == "all" else parse_shapes(args.shapes)
         tokens = [t for t in tokens if t <= 64] or [1, 8]
-        roofs = {"hbm": 20e9, "compute": 200e9}
+        roofs = {"hbm": 20e9, "hbm_copy": 20e9, "compute": 200e9}
         timers = {"eager": lambda fn: time_cpu(fn, reps=max(3, args.reps // 10), warmup=1), "graph": None}
     else:
         if not torch.cuda.is_available():
@@ -340,11 +362,13 @@ def main(argv=None) -> int:
             return 2
         dev, dtype = torch.device("cuda"), torch.bfloat16
         names = parse_shapes(args.shapes)
-        roofs = {"hbm": hbm_roof_bytes_per_s(), "compute": compute_roof_flops()}
+        roofs = {"hbm": hbm_read_roof_bytes_per_s(), "hbm_copy": hbm_roof_bytes_per_s(),
+                 "compute": compute_roof_flops()}
         timers = {"eager": lambda fn: time_cuda(fn, reps=args.reps, warmup=3, flush=True),
                   "graph": None if args.no_graph else (lambda fn: time_cuda_graph(fn, reps=args.reps, flush=True))}
     meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: shape_spec(n) for n in names})
-    print(f"roofs: HBM {roofs['hbm'] / 1e12:.3f} TB/s, compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
+    print(f"roofs: HBM read {roofs['hbm'] / 1e12:.3f} TB/s (copy, read + write: {roofs['hbm_copy'] / 1e12:.3f} TB/s), "
+          f"compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
     rows: list[dict] = []
     stopped = None
     json_path = out_dir / f"{args.tag}.json"
@@ -360,9 +384,10 @@ def main(argv=None) -> int:
                 pts = bench_point(spec, w, cfg, T, dist, roofs, args, timers)
                 rows += pts
                 s = summarize(pts)[0]
-                print(f"[{time.time() - t0:6.1f}s] {name:14s} {dist:7s} T={T:5d} floor {s['floor_us']:8.1f}us "
-                      f"ours {s.get('ours_us', float('nan')):8.1f} graph {s.get('ours_graph_us', float('nan')):8.1f} "
-                      f"roof {s.get('roof_frac', float('nan')):.2f} bi {s.get('bi_cost', float('nan')):+.2f} "
+                print(f"[{time.time() - t0:6.1f}s] {name:14s} {dist:7s} T={T:5d} {s['path']:7s} floor "
+                      f"{s['floor_us']:8.1f}us ours {s.get('ours_us', float('nan')):8.1f} graph "
+                      f"{s.get('ours_graph_us', float('nan')):8.1f} roof {s.get('roof_frac', float('nan')):.2f} "
+                      f"old graph {s.get('old_graph_us', float('nan')):8.1f} roof {s.get('old_roof_frac', float('nan')):.2f} bi {s.get('bi_cost', float('nan')):+.2f} "
                       f"hf {s.get('best_hf', '-')} {s.get('best_hf_us', float('nan')):8.1f} "
                       f"gmm {s.get('torch_gmm_us', float('nan')):8.1f} {s['notes']}", flush=True)
             if stopped:
@@ -378,7 +403,8 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     table = format_table(summary, SUMMARY_COLUMNS)
     head = (f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
-            f"{meta['transformers']}; HBM roof {roofs['hbm'] / 1e12:.3f} TB/s, compute roof "
+            f"{meta['transformers']}; HBM read roof {roofs['hbm'] / 1e12:.3f} TB/s (copy roof "
+            f"{roofs['hbm_copy'] / 1e12:.3f} TB/s), compute roof "
             f"{roofs['compute'] / 1e12:.1f} TFLOP/s; times in us, median of {args.reps}")
     (out_dir / f"{args.tag}.md").write_text(f"{head}\n\ncommand: `{meta['command']}`\n\n{table}\n")
     json_path.write_text(json.dumps({"meta": dict(meta, stopped=stopped), "rows": rows, "summary": summary}, indent=1))

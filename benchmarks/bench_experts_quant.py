@@ -260,6 +260,8 @@ def bench_shape(name: str, spec: dict, args, roofs: dict, timers: dict, dev, act
                     rows.append(row)
                     continue
                 row["tiles"] = impl.tile_config_for(w_use, K, T).to_dict()
+                if hasattr(impl, "uses_gemv"):  # the FP4 decode path runs GEMV kernels, not these tiles
+                    row["path"] = "gemv" if impl.uses_gemv(w_use, T * K) else "mma"
                 row["eager_s"] = timers["eager"](fn)
                 if phase == "decode" and timers.get("graph") is not None:
                     row["graph_s"] = timers["graph"](fn)
@@ -309,6 +311,7 @@ def summarize(rows: list[dict]) -> list[dict]:
             continue
         if r["impl"] == "triton_quant":
             s["eager_us"] = 1e6 * r["eager_s"]
+            s["path"] = r.get("path", "")
             if "graph_s" in r:
                 s["graph_us"] = 1e6 * r["graph_s"]
             s["roof_frac"] = r["roof_frac"]
@@ -330,7 +333,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return lines
 
 
-SUMMARY_COLUMNS = ["shape", "fmt", "phase", "T", "quant_MB", "floor_us", "graph_us", "eager_us", "roof_frac",
+SUMMARY_COLUMNS = ["shape", "fmt", "phase", "T", "path", "quant_MB", "floor_us", "graph_us", "eager_us", "roof_frac",
                    "bi_us", "bi_bitwise", "bf16_us", "vs_bf16", "rel_l2_deq", "rel_l2_w8a8", "notes"]
 
 

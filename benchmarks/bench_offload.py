@@ -10,6 +10,9 @@ For each shape x cache size x policy x {no prefetch, prefetch W=K}:
     bandwidth (1 GiB pinned -> device, measured in this run), i.e. how close the loop
     runs to the PCIe bound for the copies it made. A second floor counts demand-miss
     bytes only (`roof_frac_miss`).
+For lru and random_oldest also a sync-free row (OffloadConfig.sync_free: no host sync per
+layer step; "sync_free": true): its hit rate and misses are the device's (experts found in
+the device table / staged from host memory), its bytes the staged rows plus the refill's loads.
 
 The model: L MoELayers (bf16, the family's router), a residual stream x <- x + moe(x),
 consecutive tokens correlated (x_{t+1} = 0.8 x_t + 0.6 noise) and Zipf(1.2)-skewed
@@ -183,7 +186,9 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
              "ms_per_token": dt_res / args.tokens * 1e3, "hit_rate": 1.0, "misses_per_token": 0.0}]
     print(f"{shape:>13} resident (all {total} experts on the device): {rows[0]['tokens_per_s']:.2f} tok/s", flush=True)
     # one pinned host copy of the experts, shared by every configuration below
-    store = ExpertStore.from_weights([m.expert_weights for m in resident], mode="pinned", progress=False)
+    # packed: the sync-free rows' kernel reads an expert as one row of bytes (the other rows read the same views)
+    store = ExpertStore.from_weights([m.expert_weights for m in resident], mode="pinned", progress=False,
+                                     packed=True)
     # an untimed offloaded run first: kernels, allocator pools and pinned pages warm before any row
     rt = attach_offload(list(resident), OffloadConfig(gpu_slots=max(K, total // 4), device=device), release=False,
                         progress=False, store=store)
@@ -195,8 +200,11 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
     for frac in args.fractions:
         slots = max(K, int(round(frac * total)))
         for policy in args.policies:
-            for pf in (0, K):
-                cfg = OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=pf, device=device)
+            # sync-free rows (OffloadConfig.sync_free): no prefetch, no predictor-driven policy
+            variants = [(0, False), (K, False)] + ([(0, True)] if policy in ("lru", "random_oldest") else [])
+            for pf, sync_free in variants:
+                cfg = OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=pf, device=device,
+                                    sync_free=sync_free)
                 t_setup = time.perf_counter()
                 # release=False: the same layers run resident (reference) and offloaded (hooks, then detach)
                 rt = attach_offload(list(resident), cfg, release=False, progress=False, store=store)
@@ -227,10 +235,17 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
                 per_tok = dt / n
                 copied = st.bytes_copied / n
                 miss_bytes = st.misses * rt.store.expert_bytes / n
+                hit_rate, misses = st.hit_rate, st.misses
+                gs = rt.graph_stats()
+                if gs is not None:
+                    # the device's truth (read back lagged): staged misses + the refill's loads crossed PCIe
+                    copied = (gs.bytes_staged + gs.refill_bytes) / n
+                    miss_bytes = gs.bytes_staged / n
+                    hit_rate, misses = gs.hit_rate, gs.staged
                 row = {
                     "shape": shape, "layers": L, "experts": total, "slots": slots, "cache_frac": frac,
-                    "policy": policy, "prefetch": pf, "tokens_per_s": n / dt, "ms_per_token": per_tok * 1e3,
-                    "hit_rate": st.hit_rate, "misses_per_token": st.misses / n,
+                    "policy": policy, "prefetch": pf, "sync_free": sync_free, "tokens_per_s": n / dt,
+                    "ms_per_token": per_tok * 1e3, "hit_rate": hit_rate, "misses_per_token": misses / n,
                     "prefetch_issued_per_token": st.prefetch_issued / n,
                     "prefetch_precision": st.prefetch_precision,
                     "wait_ms_per_token": st.wait_s * 1e3 / n,
@@ -244,7 +259,8 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
                     with torch.no_grad():
                         row["profile"] = profile_steps(off, xs[-3:], device)
                 rows.append(row)
-                print(f"{shape:>13} S={slots:>4} ({frac:.0%}) {policy:>13} pf={pf}: {row['tokens_per_s']:7.2f} tok/s "
+                print(f"{shape:>13} S={slots:>4} ({frac:.0%}) {policy:>13} pf={pf}{' sync-free' * sync_free}: "
+                      f"{row['tokens_per_s']:7.2f} tok/s "
                       f"hit {row['hit_rate']:.3f} miss/tok {row['misses_per_token']:.2f} "
                       f"roof_frac {row['roof_frac']:.3f} prec {row['prefetch_precision']:.2f}", flush=True)
                 rt.detach()
@@ -439,8 +455,8 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     for shape, L in zip(args.shapes, args.layers):
         rows += run_shape(shape, L, args, pcie, device, dtype)
-    cols = ["shape", "slots", "cache_frac", "policy", "prefetch", "tokens_per_s", "hit_rate", "misses_per_token",
-            "prefetch_precision", "wait_ms_per_token", "roof_frac", "roof_frac_miss"]
+    cols = ["shape", "slots", "cache_frac", "policy", "prefetch", "sync_free", "tokens_per_s", "hit_rate",
+            "misses_per_token", "prefetch_precision", "wait_ms_per_token", "roof_frac", "roof_frac_miss"]
     print(format_table([r for r in rows if "bench" not in r], cols))
     cpu_rows = [r for r in rows if r.get("bench") == "cpu_experts"]
     if cpu_rows:

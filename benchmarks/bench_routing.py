@@ -5,7 +5,12 @@ Legend: T tokens, H hidden size, E routed experts, K picks per token.
 Rows (one per shape x T x implementation x mode), all ratios taken in this run:
   CPU  `route`          moeflow.route on f32 logits (validation and NaN check included);
        `router_logits`  moeflow.router_logits (the CPU batch-invariant reference), small T only.
-  GPU  `moeflow`        router_step_cuda: batch-invariant GEMM + fused selection (2 launches);
+  GPU  `moeflow`        router_step_cuda as the layer runs it: one fused kernel (GEMM partials, the
+                        last program per row group sums them and selects) for T <= FUSED_MAX_T,
+                        the two-kernel step above;
+       `moeflow-fused`  router_step_cuda(fused=True): the single-kernel step at every T timed;
+       `moeflow-2k`     router_step_cuda(fused=False): batch-invariant GEMM + selection kernel
+                        (2 launches; what `moeflow` was before the fused kernel), same bits;
        `moeflow-sep`    router_logits_cuda + route_cuda (what moeflow.router_logits + moeflow.route run);
        `variant`        the same kernels with a T-dependent H split (a batch-*variant* tuning of
                         the same design: fewer splits as T grows), to price batch invariance;
@@ -225,6 +230,8 @@ def _impls(gpu, spec, x, w, bias, rbias, var_cfg) -> dict:
 
     return {
         "moeflow": lambda: gpu.router_step_cuda(x, w, spec, router_bias=rbias, bias=bias),
+        "moeflow-fused": lambda: gpu.router_step_cuda(x, w, spec, router_bias=rbias, bias=bias, fused=True),
+        "moeflow-2k": lambda: gpu.router_step_cuda(x, w, spec, router_bias=rbias, bias=bias, fused=False),
         "moeflow-sep": sep,
         "variant": lambda: gpu.router_step_cuda(x, w, spec, router_bias=rbias, bias=bias, config=var_cfg),
         "hf": lambda: hf_router(x, w, spec, bias, rbias),
@@ -259,6 +266,16 @@ def gpu_rows(shapes, tokens, reps: int) -> tuple[list[dict], dict]:
             _check_logits(name, "variant", vstep.logits_TS, x, w, rbias)
             bad["variant"] = _check_ids(name, "variant", vstep.routing.ids_TK, vstep.routing.weights_TK,
                                         vstep.logits_TS, spec, bias)
+            two, one = impls["moeflow-2k"](), impls["moeflow-fused"]()
+            # the fused and the two-kernel step: the same bits (refuse to time otherwise)
+            for other in (two, one):
+                same = (torch.equal(other.logits_TS.view(torch.int32), step.logits_TS.view(torch.int32))
+                        and torch.equal(other.routing.ids_TK, step.routing.ids_TK)
+                        and torch.equal(other.routing.weights_TK.view(torch.int32),
+                                        step.routing.weights_TK.view(torch.int32)))
+                if not same:
+                    raise SystemExit(f"{name} T={T}: fused and two-kernel steps differ: refusing to time them")
+            bad["moeflow-2k"] = bad["moeflow-fused"] = bad["moeflow"]
             sep = impls["moeflow-sep"]()
             bad["moeflow-sep"] = _check_ids(name, "moeflow-sep", sep.ids_TK, sep.weights_TK, step.logits_TS,
                                             spec, bias)
@@ -290,6 +307,7 @@ def gpu_rows(shapes, tokens, reps: int) -> tuple[list[dict], dict]:
                     row["target_us"] = (1.5 * floor + launch) * 1e6
                 if impl == "moeflow":
                     row["bit_invariant_T1_vs_T"] = inv
+                    row["fused"] = step.fused
                 if impl == "variant":
                     row["bit_invariant_T1_vs_T"] = vinv
                     row["variant_split"] = var_cfg.split
@@ -361,7 +379,7 @@ def main(argv=None) -> None:
         rows, roofs = gpu_rows(shapes, tokens, args.reps or 30)
         write_json(out / "bench_routing_gpu.json", rows, {**meta, **roofs})
         cols = ["shape", "T", "impl", "mode", "us", "vs_peer", "floor_us", "roof_frac", "target_us",
-                "bit_invariant_T1_vs_T", "rows_differing_from_ref"]
+                "fused", "bit_invariant_T1_vs_T", "rows_differing_from_ref"]
         head = (f"HBM roof {roofs['hbm_bytes_per_s'] / 1e12:.3f} TB/s; one CUDA-graph launch "
                 f"{roofs['graph_launch_us']:.2f} us; target_us = 1.5 x floor + one launch\n\n")
         tables.append("### GPU\n\n" + head + format_table(rows, cols))

@@ -1,4 +1,4 @@
-"""The `triton` experts: alignment, fused GEMMs, combine, batch invariance, CUDA graphs.
+"""The `triton` experts: alignment, fused GEMMs, combine, the decode path, batch invariance, CUDA graphs.
 
 Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate, BM block rows.
 
@@ -30,11 +30,14 @@ import torch
 from moeflow.config import ExpertWeights, MoEConfig
 from moeflow.routing.spec import RouterSpec
 from moeflow.tuning import (
+    DecodeConfig,
     GemmTile,
     MoETileConfig,
     ShapeKey,
+    decode_lookup,
     default_batch_invariant,
     default_config,
+    default_decode_down,
     lookup,
     nearest_key,
     write_table,
@@ -256,6 +259,63 @@ def test_default_config_regimes():
     assert bi.down.split_k == 1
 
 
+def test_decode_path_choice(monkeypatch):
+    """Which calls take the two-launch decode path (pure Python: no Triton needed)."""
+    import moeflow.experts.triton as mt
+    from moeflow.experts.triton import DECODE_MAX_PAIRS, TritonExperts
+
+    assert DECODE_MAX_PAIRS == 64
+    # off by default (slower than the aligned path on the H200 with its heuristic tiles)
+    assert not mt.DECODE_BY_DEFAULT and not TritonExperts().uses_decode_path(1, 8, 128)
+    monkeypatch.setattr(mt, "DECODE_BY_DEFAULT", True)  # the rule the default would follow
+    auto = TritonExperts()
+    # qwen3-like E=128, K=8: T <= 8 (N <= 64); mixtral-like E=8, K=2: N <= E, so T <= 4
+    assert [auto.uses_decode_path(T, 8, 128) for T in (1, 8, 9)] == [True, True, False]
+    assert [auto.uses_decode_path(T, 2, 8) for T in (1, 4, 5)] == [True, True, False]
+    assert not auto.uses_decode_path(0, 8, 128)
+    # batch-invariant mode: one arithmetic for every T, never the decode path
+    assert not TritonExperts(batch_invariant=True).uses_decode_path(1, 8, 128)
+    assert not TritonExperts(batch_invariant=True, decode_max_pairs=64).uses_decode_path(1, 8, 128)
+    # a forced aligned tiling keeps the aligned path, unless decode_max_pairs says otherwise
+    t = GemmTile(block_n=16, block_k=16, num_stages=1)
+    tiles = MoETileConfig(block_m=16, gate_up=t, down=t)
+    assert not TritonExperts(tile_config=tiles).uses_decode_path(1, 8, 128)
+    assert TritonExperts(tile_config=tiles, decode_max_pairs=8).uses_decode_path(1, 8, 128)
+    # explicit bound: whatever E
+    assert TritonExperts(decode_max_pairs=64).uses_decode_path(32, 2, 4)
+    assert not TritonExperts(decode_max_pairs=0).uses_decode_path(1, 1, 4)
+    for bad in (65, -1, 2.0, True):
+        with pytest.raises(ValueError, match="decode_max_pairs"):
+            TritonExperts(decode_max_pairs=bad)
+    with pytest.raises(TypeError, match="decode_config"):
+        TritonExperts(decode_config=tiles)
+
+
+def test_decode_config_data(tmp_path):
+    key = ShapeKey(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8, layout="linear",
+                   interleaved=False, dtype="bfloat16")
+    # no file: gate_up from the aligned path's entry for T, down from the heuristic
+    got = decode_lookup(key, 1, "Fake GPU", directory=tmp_path)
+    assert got.gate_up == lookup(key, 1, "Fake GPU", directory=tmp_path).gate_up
+    assert got.down == default_decode_down(key, 1)
+    # the down grid (T, H / BN) keeps >= 2 programs per SM while it can; never below BN = 16
+    assert default_decode_down(key, 1, sm_count=132).block_n == 16
+    assert default_decode_down(key, 8, sm_count=132).block_n == 32  # 8 * 2048/32 = 512 programs
+    assert default_decode_down(key, 64, sm_count=132).block_n == 128
+    with pytest.raises(ValueError, match="split_k"):
+        DecodeConfig(gate_up=GemmTile(block_n=32, block_k=64), down=GemmTile(block_n=32, block_k=64, split_k=2))
+    with pytest.raises(ValueError, match="expected keys"):
+        DecodeConfig.from_dict({"gate_up": {}})
+    d1 = DecodeConfig(gate_up=GemmTile(block_n=32, block_k=128), down=GemmTile(block_n=16, block_k=256))
+    d8 = DecodeConfig(gate_up=GemmTile(block_n=64, block_k=64), down=GemmTile(block_n=32, block_k=128))
+    assert DecodeConfig.from_dict(json.loads(json.dumps(d1.to_dict()))) == d1
+    t = GemmTile(block_n=32, block_k=64)
+    write_table(key, "Fake GPU", {1: MoETileConfig(block_m=16, gate_up=t, down=t)}, None, directory=tmp_path,
+                decode={1: d1, 8: d8})
+    assert decode_lookup(key, 2, "Fake GPU", directory=tmp_path) == d1
+    assert decode_lookup(key, 6, "Fake GPU", directory=tmp_path) == d8
+
+
 def test_max_blocks_bound_holds():
     from moeflow.experts.triton import max_blocks_for
 
@@ -286,7 +346,9 @@ def test_selector_registers_triton():
 
 # --------------------------------------------------------------------------- CPU: Triton interpreter
 def _run_interp(check: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT), "CUDA_VISIBLE_DEVICES": ""}
+    # keep the caller's PYTHONPATH after the repo (where a CPU build of Triton may live)
+    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
     proc = subprocess.run([sys.executable, __file__, check], cwd=ROOT, capture_output=True, text=True, env=env,
                           timeout=600)
     assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
@@ -294,7 +356,7 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["align", "families", "modes"])
+@pytest.mark.parametrize("check", ["align", "families", "modes", "decode"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -422,6 +484,54 @@ def check_modes(device: str, dtype: torch.dtype) -> None:
     assert_bitwise_equal(out[keep.to(device)], again[keep.to(device)], what="other rows untouched by a bad id")
 
 
+def _tiny_decode() -> DecodeConfig:
+    """Tiles that give several column tiles, several I steps per slot and ragged edges at tiny sizes."""
+    return DecodeConfig(gate_up=GemmTile(block_n=16, block_k=16, num_stages=1),
+                        down=GemmTile(block_n=16, block_k=16, num_stages=1))
+
+
+def check_decode(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
+    """The two-launch decode path: against the fp32 reference and the aligned path, for every family,
+    layout, activation, bias, weight_on_input; deterministic; NaN rows for out-of-range ids."""
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.testing import assert_bitwise_equal
+
+    cpu = device == "cpu"
+    for name, E, H, I, K, act, layout, il, bias, woi in FAMILIES:
+        cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device, weight_on_input=woi)
+        aligned = TritonExperts(allow_cpu=cpu, decode_max_pairs=0)
+        for dcfg in (_tiny_decode(), None):
+            dec = TritonExperts(allow_cpu=cpu, decode_max_pairs=64, decode_config=dcfg)
+            for T in T_list:
+                if T * K > 64:
+                    continue
+                assert dec.uses_decode_path(T, K, E) and not aligned.uses_decode_path(T, K, E)
+                # skew: every token on expert 0 (one leader computes every pair of it)
+                x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+                out = dec.forward_tokens(x, ids, wts, w, cfg)
+                ref, _ = reference_tokens(x, ids, wts, w, cfg)
+                err = rel_l2(out, ref)
+                assert out.dtype == dtype and out.shape == (T, H)
+                assert err <= tol, f"{name} T={T} decode rel-L2 {err:.3e} > {tol}"
+                err_al = rel_l2(out, aligned.forward_tokens(x, ids, wts, w, cfg))
+                assert err_al <= tol, f"{name} T={T} decode vs aligned rel-L2 {err_al:.3e} > {tol}"
+                assert_bitwise_equal(dec.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} decode twice")
+                print(f"{name:13s} {str(dtype):14s} T={T:3d} decode tiles={'tiny' if dcfg else 'auto'} "
+                      f"rel-L2 {err:.2e} (vs aligned {err_al:.2e})")
+    # an out-of-range id poisons its token's row only
+    cfg, w = make_case(6, 48, 40, 2, "silu", dtype=dtype, device=device)
+    auto = TritonExperts(allow_cpu=cpu, decode_max_pairs=6)
+    x, ids, wts = make_tokens(3, 48, 6, 2, dtype, device, seed=5)
+    assert auto.uses_decode_path(3, 2, 6) and not auto.uses_decode_path(4, 2, 6)
+    good = auto.forward_tokens(x, ids, wts, w, cfg)
+    for bad_id in (6, -1):
+        bad = ids.clone()
+        bad[1, 0] = bad_id
+        out = auto.forward_tokens(x, bad, wts, w, cfg)
+        assert torch.isnan(out[1]).all(), f"id {bad_id}: a pair with an out-of-range id must poison its row"
+        assert_bitwise_equal(out[[0, 2]], good[[0, 2]], what=f"id {bad_id}: other rows untouched by a bad id")
+
+
 def _interp_main(check: str) -> None:
     _patch_interpreter_index()
     if check == "align":
@@ -431,6 +541,9 @@ def _interp_main(check: str) -> None:
         check_families("cpu", torch.float16, (9,), 3e-3)
     elif check == "modes":
         check_modes("cpu", torch.float32)
+    elif check == "decode":
+        check_decode("cpu", torch.float32, (1, 6, 21), 1e-5)
+        check_decode("cpu", torch.float16, (1, 4), 3e-3)
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")
@@ -480,6 +593,73 @@ def test_gpu_matches_reference_bf16(shape):
         if not woi:
             yp = impl.forward_pairs(x.repeat_interleave(K, 0), ids.reshape(-1), w, cfg)
             _check_bf16(yp, y_ref.reshape(T * K, H), f"{name} T={T} forward_pairs")
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
+def test_gpu_decode_matches_reference_bf16(shape):
+    """The two-launch decode path (forced for every N <= 64) in bf16: tolerance, determinism, NaN rows."""
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.testing import assert_bitwise_equal
+
+    name, E, H, I, K, act, layout, il, bias, woi = shape
+    cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=torch.bfloat16, device="cuda", weight_on_input=woi)
+    dec = TritonExperts(decode_max_pairs=64)
+    for T in (1, 2, 3, 8, 16, 64):
+        if T * K > 64:
+            continue
+        assert dec.uses_decode_path(T, K, E)
+        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 8)
+        ref, _ = reference_tokens(x, ids, wts, w, cfg)
+        out = dec.forward_tokens(x, ids, wts, w, cfg)
+        _check_bf16(out, ref, f"{name} T={T} decode path")
+        assert_bitwise_equal(dec.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} decode deterministic")
+    x, ids, wts = make_tokens(2, H, E, K, torch.bfloat16, "cuda", seed=9)
+    good = dec.forward_tokens(x, ids, wts, w, cfg)
+    bad = ids.clone()
+    bad[1, 0] = E
+    out = dec.forward_tokens(x, bad, wts, w, cfg)
+    assert torch.isnan(out[1]).all(), f"{name}: an out-of-range id must poison its token's row"
+    assert_bitwise_equal(out[0], good[0], what=f"{name}: other rows untouched by a bad id")
+
+
+REAL_DECODE_SHAPES = [
+    # (name, E, H, I, K, activation, layout, interleaved, bias): the tuned tables' shapes
+    ("qwen3-30b-a3b", 128, 2048, 768, 8, "silu", "linear", False, False),
+    ("gpt-oss-120b", 128, 2880, 2880, 4, "gptoss", "matmul", True, True),
+]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", REAL_DECODE_SHAPES, ids=[s[0] for s in REAL_DECODE_SHAPES])
+def test_gpu_decode_real_shapes(shape):
+    """At real shapes with the tuned tiles (shared-memory limits, ragged H / I): decode path up to 64 pairs,
+    aligned above, vs the fp32 reference."""
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.testing import assert_bitwise_equal
+
+    name, E, H, I, K, act, layout, il, bias = shape
+    limit = 7.0 if act == "gptoss" else None
+    router = RouterSpec(score_fn="softmax", num_experts=E, top_k=K)
+    cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=router, activation=act, swiglu_limit=limit,
+                    layout=layout, interleaved=il, expert_bias=bias)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    shp = ((E, 2 * I, H), (E, H, I)) if layout == "linear" else ((E, H, 2 * I), (E, I, H))
+    gu = (torch.randn(*shp[0], device="cuda", generator=g) * H**-0.5).to(torch.bfloat16)
+    dn = (torch.randn(*shp[1], device="cuda", generator=g) * I**-0.5).to(torch.bfloat16)
+    gb = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    db = (torch.randn(E, H, device="cuda", generator=g) * 0.1).to(torch.bfloat16) if bias else None
+    w = ExpertWeights(gu, dn, gb, db, layout=layout, interleaved=il)
+    impl = TritonExperts(decode_max_pairs=64)
+    for T in (1, 2, 4, 8, 16):
+        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
+        ref, _ = reference_tokens(x, ids, wts, w, cfg)
+        out = impl.forward_tokens(x, ids, wts, w, cfg)
+        _check_bf16(out, ref, f"{name} T={T} ({'decode' if impl.uses_decode_path(T, K, E) else 'aligned'} path)")
+        assert_bitwise_equal(impl.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} deterministic")
+    assert impl.uses_decode_path(1, K, E) and impl.uses_decode_path(64 // K, K, E)
 
 
 @gpu
@@ -547,7 +727,8 @@ def test_gpu_cuda_graph_replay(T):
 
     E, H, I, K = 32, 256, 256, 4
     cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
-    impl = TritonExperts()
+    impl = TritonExperts(decode_max_pairs=E)
+    assert impl.uses_decode_path(T, K, E) == (T * K <= E)  # T = 1, 4: the two-launch decode path
     x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=1)
     sx, sids, swts = x.clone(), ids.clone(), wts.clone()
     s = torch.cuda.Stream()
@@ -645,5 +826,5 @@ def test_gpu_patch_model_greedy_tokens():
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton.py {align|families|modes}")
+        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton.py {align|families|modes|decode}")
     _interp_main(sys.argv[1])

@@ -232,6 +232,34 @@ def test_tile_rules():
         check_tile_config(MoETileConfig(block_m=16, gate_up=t, down=GemmTile(block_n=64, block_k=16)), "mxfp4", 32)
 
 
+def test_gemv_path_choice():
+    """The FP4 GEMV path: FP4 only, at most _GEMV_MAX_PAIRS pairs, never in the _bi mode or with a forced tile."""
+    from moeflow.experts.triton_quant import _GEMV_MAX_PAIRS, TritonQuantExperts, quant_tile_config
+
+    _, w4 = make_quant_case("mxfp4", 2, 64, 64, 1, "silu")
+    _, w8 = make_quant_case("fp8_b32", 2, 64, 64, 1, "silu")
+    impl = TritonQuantExperts(fp8=True)
+    assert impl.uses_gemv(w4, 1) and impl.uses_gemv(w4, _GEMV_MAX_PAIRS)
+    assert not impl.uses_gemv(w4, _GEMV_MAX_PAIRS + 1) and not impl.uses_gemv(w4, 0)
+    assert not impl.uses_gemv(w8, 1)
+    assert not TritonQuantExperts(batch_invariant=True, fp8=True).uses_gemv(w4, 1)
+    forced = TritonQuantExperts(tile_config=quant_tile_config("mxfp4", 32, 2, 64, 64, 1, 1, small=True))
+    assert not forced.uses_gemv(w4, 1)
+
+
+def test_supports_quant():
+    from moeflow.experts.triton_quant import TritonQuantExperts
+    from moeflow.quant.spec import MXFP4, NVFP4, fp8_block_spec
+
+    impl = TritonQuantExperts(fp8=True)
+    for spec in (MXFP4, NVFP4, fp8_block_spec((128, 128)), fp8_block_spec((32, 32), ue8m0=True)):
+        assert impl.supports_quant(spec) == (True, "")
+    ok, why = impl.supports_quant(fp8_block_spec((8, 8)))
+    assert not ok and "bk" in why and "(32, 64, 128, 256)" in why
+    ok, why = impl.supports_quant(None)
+    assert not ok and "plain weights" in why
+
+
 def test_selector_registers_triton_quant():
     from moeflow.experts import select
     from moeflow.quant.spec import MXFP4
@@ -259,7 +287,7 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["fp8", "fp4", "modes"])
+@pytest.mark.parametrize("check", ["fp8", "fp4", "modes", "gemv"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -357,6 +385,76 @@ def check_batch_invariance(fmt, device, dtype, Tmax, T_list, impl) -> None:
     assert_bitwise_equal(out[keep], full[keep], what=f"{fmt}: other rows untouched by a bad id")
 
 
+def check_fp4_decode_every_byte() -> None:
+    """The kernels' E2M1 decode (_fp4_decode, times 2^14) equals moeflow.quant.formats.e2m1_values
+    for all 256 bytes, bit for bit (signed zeros too)."""
+    import triton
+    import triton.language as tl
+
+    from moeflow.kernels import moe_gemm_quant
+    from moeflow.quant.formats import e2m1_values
+
+    # A jit function resolves names in its module's globals (not in this function's scope), and
+    # this module imports without Triton: bind the kernel helpers here, in the interpreter run only.
+    globals().update(_fp4_decode=moe_gemm_quant._fp4_decode, FP4_UNSCALE=moe_gemm_quant.FP4_UNSCALE)
+
+    @triton.jit
+    def decode_kernel(p_ptr, out_ptr):
+        offs = tl.arange(0, 256)
+        lo, hi = _fp4_decode(tl.load(p_ptr + offs).to(tl.int32))  # noqa: F821 (bound above)
+        tl.store(out_ptr + 2 * offs, lo * FP4_UNSCALE)  # noqa: F821
+        tl.store(out_ptr + 2 * offs + 1, hi * FP4_UNSCALE)  # noqa: F821
+
+    p = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    out = torch.empty(512, dtype=torch.float32)
+    decode_kernel[(1,)](p, out)
+    want = e2m1_values(p.view(1, 256)).reshape(-1).to(torch.float32)
+    assert torch.equal(out.view(torch.int32), want.view(torch.int32)), "E2M1 decode differs (bits)"
+
+
+GEMV_CASES = [
+    # (fmt, E, H, I, K, activation, layout, interleaved, bias, weight_on_input): H, I not multiples of BK
+    ("mxfp4", 5, 96, 160, 2, "gptoss", "matmul", True, True, False),
+    ("mxfp4", 4, 64, 96, 4, "silu", "linear", False, False, False),
+    ("nvfp4", 4, 48, 80, 2, "swiglu_clamp", "linear", False, True, False),
+    ("nvfp4", 4, 64, 32, 1, "silu", "matmul", False, False, True),            # llama4: weight on input
+]
+
+
+def check_gemv(device, dtype, tol) -> None:
+    """The GEMV path (N <= _GEMV_MAX_PAIRS) against the reference and against the MMA path (forced tile)."""
+    from moeflow.experts.triton_quant import _GEMV_MAX_PAIRS, TritonQuantExperts, quant_tile_config
+    from moeflow.testing import assert_bitwise_equal
+
+    cpu = device == "cpu"
+    impl = TritonQuantExperts(allow_cpu=cpu)
+    for fmt, E, H, I, K, act, layout, il, bias, woi in GEMV_CASES:
+        cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device=device, weight_on_input=woi)
+        mma = TritonQuantExperts(allow_cpu=cpu, tile_config=quant_tile_config(
+            fmt, 32 if fmt == "mxfp4" else 16, E, H, I, K, 1, small=True))
+        for T in (1, 3, _GEMV_MAX_PAIRS // K):
+            assert impl.uses_gemv(wq, T * K)
+            x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T + 40, skew=T == 3)
+            ref, y_ref = reference_quant(x, ids, wts, wq, cfg)
+            out = impl.forward_tokens(x, ids, wts, wq, cfg)
+            assert out.dtype == dtype and out.shape == (T, H)
+            what = f"gemv {fmt} E={E} H={H} I={I} {act} T={T}"
+            check_close(out, ref, f"{what} forward_tokens", tol_rel_l2=tol, elementwise=not cpu)
+            check_close(out, mma.forward_tokens(x, ids, wts, wq, cfg).float(), f"{what} vs the MMA path",
+                        tol_rel_l2=tol, elementwise=False)
+            assert_bitwise_equal(impl.forward_tokens(x, ids, wts, wq, cfg), out, what=f"{what} deterministic")
+            if not woi:
+                yp = impl.forward_pairs(x.repeat_interleave(K, 0), ids.reshape(-1), wq, cfg)
+                check_close(yp, y_ref.reshape(T * K, H), f"{what} forward_pairs", tol_rel_l2=tol,
+                            elementwise=not cpu)
+            if T == 3:
+                bad = ids.clone()
+                bad[1, 0] = E  # out of range: token 1's row is NaN, the others untouched
+                got = impl.forward_tokens(x, bad, wts, wq, cfg)
+                assert torch.isnan(got[1]).all(), f"{what}: a bad id must poison its token's row"
+                assert_bitwise_equal(got[[0, 2]], out[[0, 2]], what=f"{what}: other rows untouched by a bad id")
+
+
 def _interp_main(check: str) -> None:
     from moeflow.experts.triton_quant import TritonQuantExperts
 
@@ -373,6 +471,9 @@ def _interp_main(check: str) -> None:
     elif check == "modes":
         for fmt in ("fp8_b32", "mxfp4", "nvfp4"):
             check_batch_invariance(fmt, "cpu", torch.float16, 40, (1, 2, 17), impls[1][1])
+    elif check == "gemv":
+        check_fp4_decode_every_byte()
+        check_gemv("cpu", torch.float16, 3e-3)
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")
@@ -396,21 +497,28 @@ GPU_CASES = [
 GPU_TOKENS = (1, 7, 64, 257, 1000)
 
 
-# FP8 missed this bound on the H200 (2026-12-02: rel-L2 1.0e-2 .. 2.6e-2): a known failure, kept
-# visible (strict: a pass is reported too) until the FP8 kernel is fixed; FP8 is opt-in meanwhile.
+# FP8 misses this bound on the H200 (rel-L2 1.0e-2 .. 2.6e-2 on 2026-12-02; the same to 3 digits
+# on 2026-12-03 with fp16 gate_up dots, so not the fp8 MMA accumulation): a known failure, kept
+# visible (strict: a pass is reported too); it appears with H > 128 (the E=257, H=I=128 case
+# passes). FP8 is opt-in meanwhile.
 _FP8_XFAIL = pytest.mark.xfail(strict=True, reason="FP8 W8A8 kernel misses rel-L2 <= 1e-2 vs its reference on H200")
 
 
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("case", [pytest.param(c, marks=_FP8_XFAIL) if c[0].startswith("fp8") and c[1] != 257 else c
-                                  for c in GPU_CASES],
-                         ids=[f"{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-{c[5]}" for c in GPU_CASES])
+                                  for c in GPU_CASES], ids=[f"{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-{c[5]}" for c in GPU_CASES])
 def test_gpu_matches_reference(case):
     from moeflow.experts.triton_quant import TritonQuantExperts
 
     impls = [("default", TritonQuantExperts(fp8=True)), ("batch_invariant", TritonQuantExperts(batch_invariant=True, fp8=True))]
     check_cases([case], "cuda", torch.bfloat16, GPU_TOKENS, impls, 1e-2, 1e-2, elementwise=True)
+
+
+@gpu
+@needs_gpu
+def test_gpu_gemv_path():
+    check_gemv("cuda", torch.bfloat16, 1e-2)
 
 
 @gpu
@@ -474,8 +582,7 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
         pytest.fail("select does not register triton_quant")
     from moeflow.layer import MoELayer
 
-    # MXFP4 (weight-only): "auto" picks the fused kernels; FP8 stays on the reference until its
-    # kernel meets its accuracy bound (opt-in, see TritonQuantExperts).
+    # "auto" picks the fused kernels for MXFP4 (weight-only); FP8 stays on the reference (opt-in).
     cfg, wq = make_quant_case("mxfp4", 16, 320, 288, 4, "gptoss", "matmul", True, True, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     router_w = torch.randn(16, 320, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
@@ -493,9 +600,10 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
     layer8 = MoELayer(cfg8, router_weight_EH=torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=g),
                       experts=wq8, experts_impl="auto")
     layer8(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, generator=g))
-    assert layer8.impl_name == "reference"
+    assert layer8.impl_name == "reference"  # FP8 opt-in until its accuracy miss is found
+
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton_quant.py {fp8|fp4|modes}")
+        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton_quant.py {fp8|fp4|modes|gemv}")
     _interp_main(sys.argv[1])

@@ -191,19 +191,74 @@ def test_qwen3_moe_fp8_fused_sharded(tmp_path, ue8m0):
     spec = fp8_block_spec((128, 128), ue8m0=ue8m0)
     qcfg = {**FP8_CFG, "weight_block_size": [128, 128], **({"scale_fmt": "ue8m0"} if ue8m0 else {})}
     path, written, _ = write_quantized(tmp_path, "qwen3_moe", spec, qcfg, fmt="fused", layers=(0, 1), shards=3)
-    try:
-        idx = CheckpointIndex(path)
-        idx.info("model.layers.1.mlp.experts.gate_up_proj_scale_inv")
-    except CheckpointError as exc:
-        if "not supported by this torch" in str(exc):
-            pytest.skip(f"moeflow.checkpoint.index does not map safetensors F8_E8M0 yet: {exc}")
-        raise
+    idx = CheckpointIndex(path)
+    want_dt = torch.float8_e8m0fnu if ue8m0 else torch.float32
+    assert idx.info("model.layers.1.mlp.experts.gate_up_proj_scale_inv").dtype == want_dt
     for layer in (0, 1):
         assert written[layer].gate_up_scale.shape == (6, 2, 1)
         _check_loaded(path, "qwen3_moe", layer, written[layer])
         _check_loaded(path, "qwen3_moe", layer, written[layer], ids=[4, 1])
     assert load_moe_layer(idx, "qwen3_moe", 1).source_format == "fused"
     _reference_same_bits(load_moe_layer(idx, "qwen3_moe", 0).experts)
+
+
+def test_ue8m0_scale_inv_loads_kept_and_dequantized_by_hand(tmp_path):
+    """A real safetensors file (dtype F8_E8M0) with transformers 5's fused FP8 names: the kept
+    bits (dtype=None) and the f32 load equal a hand dequantization Wq * 2^(byte - 127), exactly.
+
+    The scale bytes are set by hand and include the extremes that stay finite: byte 1 (2^-126;
+    the smallest product 2^-9 * 2^-126 is an exact f32 subnormal) and 245 (448 * 2^118 < f32 max).
+    f32(e4m3) * 2^k is then exact, so the reference is exact arithmetic (ldexp), not a second
+    implementation of the dequantizer.
+    """
+    from safetensors import safe_open
+
+    spec = fp8_block_spec((128, 128), ue8m0=True)
+    qcfg = {**FP8_CFG, "weight_block_size": [128, 128], "scale_fmt": "ue8m0"}
+    p = "model.layers.1.mlp.experts."
+    cycle = torch.tensor([1, 127, 245, 100, 140, 126, 133], dtype=torch.uint8)
+    hand: dict[str, torch.Tensor] = {}
+
+    def edit(t):
+        for name in ("gate_up_proj_scale_inv", "down_proj_scale_inv"):
+            s = t[p + name]
+            assert s.dtype == torch.float8_e8m0fnu, (name, s.dtype)
+            b = cycle[torch.arange(s.numel()) % len(cycle)].view(s.shape)
+            hand[name] = b
+            t[p + name] = b.view(torch.float8_e8m0fnu)
+
+    path, written, _ = write_quantized(tmp_path, "qwen3_moe", spec, qcfg, fmt="fused", layers=(1,), edit=edit)
+    q = written[1]
+    with safe_open(os.path.join(path, "model.safetensors"), "pt") as fh:  # what the file header says
+        assert fh.get_slice(p + "gate_up_proj_scale_inv").get_dtype() == "F8_E8M0"
+    assert CheckpointIndex(path).info(p + "gate_up_proj_scale_inv").dtype == torch.float8_e8m0fnu
+
+    kept = load_moe_layer(path, "qwen3_moe", 1).experts
+    assert kept.quant == spec
+    assert kept.gate_up_scale.dtype == torch.float8_e8m0fnu and kept.down_scale.dtype == torch.float8_e8m0fnu
+    assert torch.equal(kept.gate_up_scale.view(torch.uint8), hand["gate_up_proj_scale_inv"])
+    assert torch.equal(kept.down_scale.view(torch.uint8), hand["down_proj_scale_inv"])
+    assert _same(kept.gate_up, q.gate_up) and _same(kept.down, q.down)
+
+    deq = load_moe_layer(path, "qwen3_moe", 1, dtype=torch.float32).experts
+    assert deq.quant is None and deq.dtype == torch.float32
+
+    def by_hand(wq: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        """[E, out, in] f32: e4m3 value times 2^(byte - 127) of its 128 x 128 block (partial blocks cut)."""
+        n, k = wq.shape[-2:]
+        ex = b.to(torch.int32) - 127
+        ex = ex.repeat_interleave(128, dim=1)[:, :n].repeat_interleave(128, dim=2)[:, :, :k]
+        return torch.ldexp(wq.to(torch.float32), ex.to(torch.float32))
+
+    I, gi = q.intermediate_size, -(-q.intermediate_size // 128)  # gate's block rows come first, then up's
+    b_gu = hand["gate_up_proj_scale_inv"]
+    want = {"gate_up": torch.cat([by_hand(q.gate_up[:, :I], b_gu[:, :gi]), by_hand(q.gate_up[:, I:], b_gu[:, gi:])], 1),
+            "down": by_hand(q.down, hand["down_proj_scale_inv"])}
+    extremes = torch.cat([want["gate_up"].flatten(), want["down"].flatten()]).abs()
+    assert torch.isfinite(extremes).all() and extremes.max() > 1e30 and extremes[extremes > 0].min() < 1e-30
+    for name in ("gate_up", "down"):
+        got = getattr(deq, name)
+        assert torch.equal(got, want[name]), f"{name}: max |diff| {float((got - want[name]).abs().max()):.3e}"
 
 
 def test_gpt_oss_mxfp4_fused_equals_transformers(tmp_path):

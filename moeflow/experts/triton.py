@@ -3,8 +3,18 @@
 Legend: T tokens, K slots per token, N = T*K (token, slot) pairs (pair n = t*K + k), H hidden,
 I intermediate per expert, E experts held, P padded positions, S split-K parts of the down GEMM.
 
-Pipeline of one call (4 launches at decode, 6 at large N; no host sync, so a call can be
-captured in a CUDA graph and replayed):
+Two paths, chosen per call in `forward_tokens` (`uses_decode_path`); neither syncs the host,
+so a call can be captured in a CUDA graph and replayed.
+
+Decode path (opt-in: TritonExperts(decode_max_pairs=N); off by default, DECODE_BY_DEFAULT says
+why; never in batch-invariant mode; 2 launches,
+moeflow/kernels/moe_decode.py): no alignment pass; gate_up one program per (pair, column
+tile), the first pair of each expert computing all of that expert's pairs; down one program
+per (token, H tile) that sums its K slots in slot order with the combine weights in its
+epilogue. Launch-bound decode shapes (128 small experts, T = 1..8) lose two launches and the
+buffers between them; the sum order is fixed, so the result is deterministic.
+
+Aligned path (everything else, and forward_pairs; 4 launches at small N, 6 at large N):
     align    ids_TK -> sorted_P (pairs grouped by expert, stable, padded to BM), block_expert_B
     gate_up  act_PI = act(x[tok] @ W_gu[e] (+ b_gu))     activation fused in the epilogue
     down     y_SNH  = act_PI @ W_d[e] (+ b_d)            split-K partials for decode shapes
@@ -39,13 +49,28 @@ import torch
 
 from .._triton import triton_available
 from ..config import ExpertWeights, MoEConfig
-from ..tuning import MoETileConfig, ShapeKey, lookup
+from ..tuning import DecodeConfig, MoETileConfig, ShapeKey, decode_lookup, lookup
 from .base import check_pairs
 
 _ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 # Combine pass: columns per program.
 _COMBINE_BLOCK_H = 1024
+# Decode path bounds. N = T*K pairs at most DECODE_MAX_PAIRS: its gate_up leader compares all N
+# ids in one vector and holds all of an expert's pairs in one dot of next_pow2(N) rows (so 64 is
+# also the hard cap). At most DECODE_PAIRS_PER_EXPERT * E pairs: the token-major down kernel
+# reads an expert's down weights once per token using it, which stays near one read per
+# expert only while pairs per expert stay about one (mixtral's 8 experts leave at T = 8).
+DECODE_MAX_PAIRS = 64
+DECODE_PAIRS_PER_EXPERT = 1
+# Whether the default (decode_max_pairs=None) takes the decode path at all. Off: measured on the
+# H200 (CUDA graph, L2 flushed, 2026-12-03) it was slower than the aligned path at 15 of 16 decode
+# points with its heuristic tiles (qwen3-30b-a3b T=1 56.8 vs 41.5 us, gpt-oss-120b T=1 111.3 vs
+# 74.3 us, deepseek-v3 T=8 1702 vs 1140 us); only deepseek-v3 T=2 tied. It stays opt-in
+# (decode_max_pairs=N) until tuned tiles ("decode" entries of moeflow/tuning) make it pay.
+DECODE_BY_DEFAULT = False
+# Shared memory a decode gate_up program may plan for (H200: 227 KB a block); stages shrink to fit.
+_DECODE_SMEM_BYTES = 180 * 1024
 
 
 @lru_cache(maxsize=8)
@@ -63,7 +88,14 @@ class TritonExperts:
     """Fused Triton experts. See the module docstring for the pipeline and the modes.
 
     batch_invariant: one fixed tile configuration for every T (bitwise batch invariance).
-    tile_config:     force this MoETileConfig for every call (tests, the tuner).
+    tile_config:     force this MoETileConfig for every call (tests, the tuner); the aligned
+                     path then serves every call unless decode_max_pairs says otherwise.
+    decode_max_pairs: None (default): when DECODE_BY_DEFAULT (off today, see its comment) the
+                     decode path serves calls of N = T*K <= DECODE_MAX_PAIRS and
+                     N <= DECODE_PAIRS_PER_EXPERT * E; never when tile_config is given.
+                     An int in [0, DECODE_MAX_PAIRS]: the decode path serves N <= it, whatever E
+                     (0: never). Batch-invariant mode never takes it (one arithmetic for every T).
+    decode_config:   force these decode tiles (tests); else tuned data / heuristics.
     allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1, the
                      Triton interpreter; the CPU test suite uses it).
     """
@@ -72,11 +104,23 @@ class TritonExperts:
     device_types = ("cuda",)
 
     def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
+                 decode_max_pairs: int | None = None, decode_config: DecodeConfig | None = None,
                  allow_cpu: bool = False) -> None:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"TritonExperts.batch_invariant={batch_invariant!r}: expected a bool")
         if tile_config is not None and not isinstance(tile_config, MoETileConfig):
             raise TypeError(f"TritonExperts.tile_config: expected a MoETileConfig, got {type(tile_config).__name__}")
+        if decode_max_pairs is not None and (
+                isinstance(decode_max_pairs, bool) or not isinstance(decode_max_pairs, int)
+                or not 0 <= decode_max_pairs <= DECODE_MAX_PAIRS):
+            raise ValueError(f"TritonExperts.decode_max_pairs={decode_max_pairs!r}: expected None or an int in "
+                             f"[0, {DECODE_MAX_PAIRS}]")
+        if decode_config is not None and not isinstance(decode_config, DecodeConfig):
+            raise TypeError(f"TritonExperts.decode_config: expected a DecodeConfig, got {type(decode_config).__name__}")
+        if decode_max_pairs is None and tile_config is not None:
+            decode_max_pairs = 0  # a forced aligned-path tiling means: time / test that path
+        self.decode_max_pairs = decode_max_pairs
+        self.decode_config = decode_config
         self.batch_invariant = batch_invariant
         self.name = "triton_bi" if batch_invariant else "triton"
         self.tile_config = tile_config
@@ -109,16 +153,47 @@ class TritonExperts:
               w.dtype, str(dev), num_tokens, self.batch_invariant)
         cfg = self._cfg_cache.get(ck)
         if cfg is None:
-            if dev.type == "cuda":
-                name, sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())
-            else:
-                name, sms = "cpu", 132
-            key = ShapeKey(num_experts=w.num_experts, hidden_size=w.hidden_size,
-                           intermediate_size=w.intermediate_size, top_k=top_k, layout=w.layout,
-                           interleaved=w.interleaved, dtype=_DTYPE_NAMES[w.dtype])
+            name, sms, key = self._lookup_facts(w, top_k)
             cfg = lookup(key, max(1, num_tokens), name, batch_invariant=self.batch_invariant, sm_count=sms)
             self._cfg_cache[ck] = cfg
         return cfg
+
+    def uses_decode_path(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
+        """Whether forward_tokens of num_tokens tokens with top_k slots runs the two-launch decode path."""
+        if self.batch_invariant:
+            return False  # its bits must not depend on T: one (aligned) arithmetic for every T
+        n = num_tokens * top_k
+        if self.decode_max_pairs is not None:
+            return 0 < n <= self.decode_max_pairs
+        if not DECODE_BY_DEFAULT:
+            return False
+        return 0 < n <= min(DECODE_MAX_PAIRS, DECODE_PAIRS_PER_EXPERT * num_experts)
+
+    def decode_config_for(self, w: ExpertWeights, top_k: int, num_tokens: int) -> DecodeConfig:
+        """The DecodeConfig a decode-path call of num_tokens tokens runs with (cached per (shape, T))."""
+        if self.decode_config is not None:
+            return self.decode_config
+        dev = w.device
+        ck = ("decode", w.num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
+              w.dtype, str(dev), num_tokens)
+        cfg = self._cfg_cache.get(ck)
+        if cfg is None:
+            name, sms, key = self._lookup_facts(w, top_k)
+            cfg = decode_lookup(key, max(1, num_tokens), name, sm_count=sms)
+            self._cfg_cache[ck] = cfg
+        return cfg
+
+    @staticmethod
+    def _lookup_facts(w: ExpertWeights, top_k: int) -> tuple[str, int, ShapeKey]:
+        dev = w.device
+        if dev.type == "cuda":
+            name, sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())
+        else:
+            name, sms = "cpu", 132
+        key = ShapeKey(num_experts=w.num_experts, hidden_size=w.hidden_size,
+                       intermediate_size=w.intermediate_size, top_k=top_k, layout=w.layout,
+                       interleaved=w.interleaved, dtype=_DTYPE_NAMES[w.dtype])
+        return name, sms, key
 
     # ------------------------------------------------------------------ entry points
     def forward_tokens(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
@@ -159,6 +234,9 @@ class TritonExperts:
             ids_N = ids_N.to(torch.int32)
         wts_N = weights_TK.reshape(-1).contiguous()
         on_input = bool(getattr(config.router, "weight_on_input", False))
+        if self.uses_decode_path(T, K, w.num_experts):
+            dcfg = self.decode_config_for(w, K, T)
+            return _run_decode(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, dcfg, weight_on_input=on_input)
         cfg = self.tile_config_for(w, K, T)
         return _run(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, cfg,
                     weight_on_input=on_input, combine_weights=not on_input)
@@ -319,6 +397,56 @@ def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoE
     _launch_down(plan, w)
     _launch_combine(plan, wts_N if combine_weights else None, ids_N)
     return plan.out_TH
+
+
+def _decode_rows(num_pairs: int) -> int:
+    """MP: decode gate_up tile rows for N pairs (a power of two >= N, at least the smallest dot's 16)."""
+    return max(16, 1 << max(0, (num_pairs - 1).bit_length()))
+
+
+def _run_decode(x_TH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, dcfg: DecodeConfig, *,
+                weight_on_input: bool) -> torch.Tensor:
+    """The two-launch decode path (moeflow/kernels/moe_decode.py): out_TH [T, H] in x's dtype.
+
+    Buffers: act_NI [N, I] (weights' dtype, what the aligned path rounds act to) and out_TH.
+    """
+    from ..kernels.moe_decode import DOWN_DOT_ROWS, moe_decode_down_kernel, moe_decode_gate_up_kernel
+
+    N, H, I, E = T * K, w.hidden_size, w.intermediate_size, w.num_experts
+    dev = x_TH.device
+    act_NI = torch.empty(N, I, dtype=w.dtype, device=dev)
+    out_TH = torch.empty(T, H, dtype=x_TH.dtype, device=dev)
+    precision = "ieee" if w.dtype == torch.float32 else "tf32"
+    (gse, gsn, gsk), (dse, dsn, dsk) = _weight_strides(w)
+    mp = _decode_rows(N)
+    gu = dcfg.gate_up
+    # Shared memory per stage: the x rows [MP, BK] and the gate_up columns [BK, 2BN]; drop
+    # stages (never below 2) rather than fail to compile when MP grows to 64 rows.
+    stage_bytes = (mp * gu.block_k + gu.block_k * 2 * gu.block_n) * w.dtype.itemsize
+    stages = gu.num_stages
+    while stages > 2 and stages * stage_bytes > _DECODE_SMEM_BYTES:
+        stages -= 1
+    gub = w.gate_up_bias if w.gate_up_bias is not None else w.gate_up  # dummy pointer when no bias
+    moe_decode_gate_up_kernel[(N, math.ceil(I / gu.block_n))](
+        x_TH, w.gate_up, gub, wts_N, ids_N, act_NI,
+        N, E, H, I, K,
+        x_TH.stride(0), gse, gsn, gsk, gub.stride(0), act_NI.stride(0),
+        float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
+        ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved), HAS_BIAS=w.gate_up_bias is not None,
+        WEIGHT_ON_INPUT=weight_on_input, EVEN_K=H % gu.block_k == 0, PRECISION=precision,
+        BLOCK_M=mp, BLOCK_N=gu.block_n, BLOCK_K=gu.block_k, num_warps=gu.num_warps, num_stages=stages,
+    )
+    dn = dcfg.down
+    db = w.down_bias if w.down_bias is not None else w.down  # dummy pointer when no bias
+    moe_decode_down_kernel[(T, math.ceil(H / dn.block_n))](
+        act_NI, w.down, db, wts_N, ids_N, out_TH,
+        E, H, I,
+        act_NI.stride(0), dse, dsn, dsk, db.stride(0), out_TH.stride(0),
+        K=K, HAS_W=not weight_on_input, HAS_BIAS=w.down_bias is not None, EVEN_K=I % dn.block_k == 0,
+        PRECISION=precision, ROWS=DOWN_DOT_ROWS, BLOCK_N=dn.block_n, BLOCK_K=dn.block_k,
+        num_warps=dn.num_warps, num_stages=dn.num_stages,
+    )
+    return out_TH
 
 
 IMPL = TritonExperts()

@@ -64,6 +64,76 @@ def _activate(g, u, limit, alpha, ACT: tl.constexpr):
     return out
 
 
+@triton.jit
+def gate_up_rows(
+    x_ptr, tok, row_ok, a_scale, w_base, b_base, pid_n, H, I, stride_xt, stride_wn, stride_wk, limit, alpha,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_A: tl.constexpr,
+    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """act [BM, BN] f32 = act(x[tok] @ W_gu (+ b_gu)) for columns pid_n*BN.. of I, rows masked by row_ok.
+
+    tok: int64 [BM] token row of each tile row; w_base / b_base: this expert's gate_up and bias.
+    SCALE_A (llama4's weight on the input): each row of x is scaled by a_scale [BM] (f32 holding
+    a value of x's dtype) and rounded to x's dtype before the dot, as the HF module rounds it.
+    Shared by the aligned kernel below and the decode kernel (moe_decode.py): one gate_up body.
+    """
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    if INTERLEAVED:
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * I
+        w_ptrs = w_base + offs_c[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=c_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k + k0 < H
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+            if SCALE_A:
+                a = (a.to(tl.float32) * a_scale[:, None]).to(a.dtype)
+            acc = tl.dot(a, w, acc, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bias = tl.load(b_base + offs_c, mask=c_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+    else:
+        j_ok = offs_j < I
+        wg_ptrs = w_base + offs_j[None, :] * stride_wn + offs_k[:, None] * stride_wk
+        wu_ptrs = wg_ptrs + I * stride_wn
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
+                wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
+                wu = tl.load(wu_ptrs, mask=j_ok[None, :], other=0.0)
+            else:
+                k_ok = offs_k + k0 < H
+                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+                wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+                wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            if SCALE_A:
+                a = (a.to(tl.float32) * a_scale[:, None]).to(a.dtype)
+            g = tl.dot(a, wg, g, input_precision=PRECISION)
+            u = tl.dot(a, wu, u, input_precision=PRECISION)
+            a_ptrs += BLOCK_K
+            wg_ptrs += BLOCK_K * stride_wk
+            wu_ptrs += BLOCK_K * stride_wk
+        if HAS_BIAS:
+            bg = tl.load(b_base + offs_j, mask=j_ok, other=0.0)
+            bu = tl.load(b_base + I + offs_j, mask=j_ok, other=0.0)
+            g += bg.to(tl.float32)[None, :]
+            u += bu.to(tl.float32)[None, :]
+    return _activate(g, u, limit, alpha, ACT)
+
+
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
@@ -86,57 +156,10 @@ def moe_gate_up_kernel(
     pair = tl.load(sorted_ptr + offs_p)
     row_ok = pair < num_pairs
     tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    out = gate_up_rows(x_ptr, tok, row_ok, 0.0, w_ptr + e * stride_we, b_ptr + e * stride_be, pid_n, H, I,
+                       stride_xt, stride_wn, stride_wk, limit, alpha, ACT, INTERLEAVED, HAS_BIAS, False, EVEN_K,
+                       PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_k = tl.arange(0, BLOCK_K)
-    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    w_base = w_ptr + e * stride_we
-    if INTERLEAVED:
-        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
-        c_ok = offs_c < 2 * I
-        w_ptrs = w_base + offs_c[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs, mask=c_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
-            acc = tl.dot(a, w, acc, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            w_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
-    else:
-        j_ok = offs_j < I
-        wg_ptrs = w_base + offs_j[None, :] * stride_wn + offs_k[:, None] * stride_wk
-        wu_ptrs = wg_ptrs + I * stride_wn
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
-                wu = tl.load(wu_ptrs, mask=j_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-                wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-            g = tl.dot(a, wg, g, input_precision=PRECISION)
-            u = tl.dot(a, wu, u, input_precision=PRECISION)
-            a_ptrs += BLOCK_K
-            wg_ptrs += BLOCK_K * stride_wk
-            wu_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            bg = tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0)
-            bu = tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0)
-            g += bg.to(tl.float32)[None, :]
-            u += bu.to(tl.float32)[None, :]
-    out = _activate(g, u, limit, alpha, ACT)
     act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
     tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
 

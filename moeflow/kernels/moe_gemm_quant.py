@@ -23,11 +23,24 @@ FP8 (W8A8), per the DeepSeek recipe and moeflow.quant.formats.quantize_fp8_activ
                (BN a multiple of G, so every group of I is whole inside one program)
     down       y = sum_kt dot_fp8(aq tile, Wq tile) * as[row, kt] * ws[col, kt]  (split-K parts)
 Every dot is fp8 x fp8 with f32 accumulation over one K tile; the scaled tiles are summed in f32.
+(Not the FP8 accuracy miss on the H200: gate_up's dots run on fp16 operands (exact e4m3 values)
+gave the same rel-L2 against the W8A8 reference to 3 digits, 2026-12-03, at 0.6x the speed.)
 
 FP4 (W4A16: Hopper has no FP4 MMA): each packed tile is dequantized in the load path to the
 activations' dtype (bf16 / fp16) and fed to a bf16 / fp16 dot with f32 accumulation. MXFP4
 values e2m1 * 2^(b - 127) and NVFP4 values e2m1 * s8 are exact in bf16 (at most 6 significant
 bits, f32's exponent range); NVFP4's s2 multiplies the f32 accumulator once per output.
+Decode (few pairs): GEMV kernels instead, one program per (pair, BN outputs), no alignment, no
+MMA tile of 16 rows for one pair: the packed bytes are decoded in registers and multiplied
+with the f32 activation row, summed with tl.sum in a fixed order (per group of G, times the
+group's scale, then over the groups of a tile, then over the tiles):
+    gemv gate_up  act_NI[n, j] = act(sum_kt sum_g s[j, g] * sum_{i in g} w[j, i] x[t, i] (+ b))
+    gemv down     y_NH[n, h]   = (same over I of act_NI[n]) (* s2) (+ b_d)
+E2M1 decode (both paths): the code's three magnitude bits placed at fp16 bits 9..11 and its sign
+at bit 15 make the fp16 number e2m1 * 2^-14, exactly (0.5 becomes the fp16 subnormal 2^-15,
+which the fp16 -> f32 conversion keeps); the 2^14 is multiplied back in f32 before the scale
+(two exact multiplications by powers of two). Three integer operations per value instead of a
+select chain.
 
 Same schedule as moe_gemm.py: grid (max_blocks * column tiles[, S]), programs of padding blocks
 (block_expert = -1) return at once, fixed sum orders, no atomics; the activation epilogue is
@@ -64,17 +77,31 @@ def _fp8_scale(s, SCALE_E8M0: tl.constexpr):
     return s.to(tl.float32)
 
 
-@triton.jit
-def _e2m1_to_f32(c):
-    """E2M1 codes (int32 0..15, bit 3 the sign) -> f32, exact: +-{0, .5, 1, 1.5, 2, 3, 4, 6}.
+# E2M1 values come out of _fp4_decode times 2^-14; this brings them back (exact in f32).
+FP4_UNSCALE = tl.constexpr(16384.0)
 
-    Magnitude m = c & 7: m >= 2 is a normal number (exponent m >> 1, bias 1; mantissa bit m & 1),
-    whose f32 bits are (m << 22) + (126 << 23); m == 1 is the subnormal 0.5; m == 0 is zero.
-    Bit arithmetic only: no table lookup, no exp2.
+
+@triton.jit
+def _fp4_decode(p):
+    """Packed bytes (int32 0..255; low nibble the even element) -> (lo, hi) f32 = e2m1 * 2^-14, exact.
+
+    E2M1 code s e1 e0 m (bit 3 the sign): as fp16 bits (s << 15) | (e1 e0 m << 9) it reads
+    2^(e - 15) * (1 + m / 2) for e >= 1 and m * 2^-15 for e == 0, i.e. e2m1 * 2^-14 for every
+    code (+-{0, .5, 1, 1.5, 2, 3, 4, 6}; -0 stays -0). Shifts and masks only, no table lookup.
     """
-    m = c & 7
-    mag = tl.where(m >= 2, (m << 22) + 0x3F000000, tl.where(m == 1, 0x3F000000, 0))
-    return (mag | ((c & 8) << 28)).to(tl.float32, bitcast=True)
+    lo = ((p << 9) & 0x0E00) | ((p << 12) & 0x8000)
+    hi = ((p << 5) & 0x0E00) | ((p << 8) & 0x8000)
+    lo = lo.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = hi.to(tl.uint16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _fp4_scale(s_raw, FMT: tl.constexpr):
+    """A loaded FP4 group scale as f32: E8M0 bytes (FMT 1, mxfp4) or e4m3 bytes (FMT 2, nvfp4)."""
+    if FMT == 1:
+        return _e8m0_to_f32(s_raw)
+    return s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
 
 
 @triton.jit
@@ -85,17 +112,13 @@ def _w4_tile(w_ptrs, s_ptrs, w_mask, s_mask, FMT: tl.constexpr, ROWS: tl.constex
     Masked-off bytes load code 0 (value 0) whatever their scale, so edge tiles add nothing.
     """
     p = tl.load(w_ptrs, mask=w_mask, other=0).to(tl.int32)
-    lo = _e2m1_to_f32(p & 15)
-    hi = _e2m1_to_f32(p >> 4)
+    lo, hi = _fp4_decode(p)
     # join puts lo (the even element) before hi along a new last axis: [ROWS, BK/2, 2] is the
     # row's K order; viewed as [ROWS, BK/G, G] each group meets its own scale.
     v = tl.reshape(tl.join(lo, hi), (ROWS, BK // G, G))
-    s_raw = tl.load(s_ptrs, mask=s_mask, other=0)
-    if FMT == 1:
-        s = _e8m0_to_f32(s_raw)
-    else:  # e4m3 scale bytes
-        s = s_raw.to(tl.float8e4nv, bitcast=True).to(tl.float32)
-    return tl.reshape(v * s[:, :, None], (ROWS, BK))
+    s = _fp4_scale(tl.load(s_ptrs, mask=s_mask, other=0), FMT)
+    # (v * 2^14) is the e2m1 value exactly; times the scale as the reference dequantizer.
+    return tl.reshape((v * FP4_UNSCALE) * s[:, :, None], (ROWS, BK))
 
 
 @triton.jit
@@ -420,3 +443,119 @@ def moe_down_w4_kernel(
             acc += bias.to(tl.float32)[None, :]
     y_ptrs = y_ptr + s_id.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+
+
+# ------------------------------------------------------------------------------ FP4 W4A16 GEMV (decode)
+@triton.jit
+def _w4_gemv_rows(x_row_ptr, w_ptrs, s_ptrs, row_ok, K, stride_wk, stride_sk,
+                  FMT: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr):
+    """f32 [ROWS]: sum over K of W[row, k] * x[k] for ROWS packed weight rows and one activation row.
+
+    w_ptrs [ROWS, BK/2] / s_ptrs [ROWS, BK/G] point at the rows' first tile. Per tile: products
+    of the decoded values with x (f32), summed per group of G, times the group's scale, summed
+    over the groups; tiles summed in K order. K % G == 0 (the formats' rule), so a tile's
+    masked tail holds whole groups.
+    """
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, BLOCK_K // G)
+    acc = tl.zeros([ROWS], dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        b_ok = offs_b < (K - k0) // 2
+        g_ok = offs_g < (K - k0) // G
+        p = tl.load(w_ptrs, mask=row_ok[:, None] & b_ok[None, :], other=0).to(tl.int32)
+        s = _fp4_scale(tl.load(s_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0), FMT)
+        # x's even / odd elements, matching the low / high nibbles of each byte
+        xe = tl.load(x_row_ptr + k0 + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
+        xo = tl.load(x_row_ptr + k0 + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
+        lo, hi = _fp4_decode(p)
+        prod = lo * xe[None, :] + hi * xo[None, :]                      # [ROWS, BK/2], pairs (2i, 2i+1)
+        grp = tl.sum(tl.reshape(prod, (ROWS, BLOCK_K // G, G // 2)), axis=2)
+        acc += tl.sum((grp * FP4_UNSCALE) * s, axis=1)
+        w_ptrs += BLOCK_K // 2 * stride_wk
+        s_ptrs += BLOCK_K // G * stride_sk
+    return acc
+
+
+@triton.jit
+def moe_gate_up_w4_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, act_ptr, ids_ptr,
+    H, I, E, top_k,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2g,
+    stride_be, stride_an, limit, alpha,
+    FMT: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (N, cdiv(I, BN)). act_NI[n, j] (x's dtype) for pair n, BN columns of I; expert ids_N[n],
+    input row x[n // top_k]. A pair whose id is outside [0, E) is skipped (the combine turns its
+    token's row to NaN). Packed gate_up [E, 2I, H/2], scales [E, 2I, H/G]; interleaved (gpt-oss):
+    out row 2j is gate j, 2j + 1 up j (one [2BN] row block); NVFP4: s2[e, 0] / s2[e, 1] scale
+    gate / up sums (as moe_gate_up_w4_kernel)."""
+    n = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    e = tl.load(ids_ptr + n)
+    if (e < 0) | (e >= E):
+        return
+    e = e.to(tl.int64)
+    x_row = x_ptr + (n // top_k).to(tl.int64) * stride_xt
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    j_ok = offs_j < I
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, BLOCK_K // G)
+    w_base = w_ptr + e * stride_we
+    s_base = s_ptr + e * stride_se
+    if INTERLEAVED:
+        offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
+        c_ok = offs_c < 2 * I
+        acc = _w4_gemv_rows(x_row, w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                            s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk, c_ok, H,
+                            stride_wk, stride_sk, FMT, G, 2 * BLOCK_N, BLOCK_K)
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0).to(tl.float32)
+        g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
+    else:
+        g = _w4_gemv_rows(x_row, w_base + offs_j[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                          s_base + offs_j[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
+                          stride_wk, stride_sk, FMT, G, BLOCK_N, BLOCK_K)
+        u = _w4_gemv_rows(x_row, w_base + (I + offs_j)[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                          s_base + (I + offs_j)[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
+                          stride_wk, stride_sk, FMT, G, BLOCK_N, BLOCK_K)
+        if FMT == 2:
+            g = g * tl.load(s2_ptr + e * stride_s2e)
+            u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
+        if HAS_BIAS:
+            g += tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0).to(tl.float32)
+            u += tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0).to(tl.float32)
+    out = _activate(g, u, limit, alpha, ACT)
+    tl.store(act_ptr + n.to(tl.int64) * stride_an + offs_j, out.to(act_ptr.dtype.element_ty), mask=j_ok)
+
+
+@triton.jit
+def moe_down_w4_gemv_kernel(
+    act_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, ids_ptr,
+    H, I, E,
+    stride_an, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_be,
+    stride_yn,
+    FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """Grid (N, cdiv(H, BN)). y_NH[n, h] (y's dtype) = act_NI[n] @ W_d[ids_N[n]] (* s2) (+ b_d) for
+    BN rows h of the packed down [E, H, I/2] (scales [E, H, I/G]); pairs with an id outside
+    [0, E) skipped."""
+    n = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    e = tl.load(ids_ptr + n)
+    if (e < 0) | (e >= E):
+        return
+    e = e.to(tl.int64)
+    offs_h = pid_h * BLOCK_N + tl.arange(0, BLOCK_N)
+    h_ok = offs_h < H
+    offs_b = tl.arange(0, BLOCK_K // 2)
+    offs_g = tl.arange(0, BLOCK_K // G)
+    acc = _w4_gemv_rows(act_ptr + n.to(tl.int64) * stride_an,
+                        w_ptr + e * stride_we + offs_h[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                        s_ptr + e * stride_se + offs_h[:, None] * stride_sn + offs_g[None, :] * stride_sk, h_ok, I,
+                        stride_wk, stride_sk, FMT, G, BLOCK_N, BLOCK_K)
+    if FMT == 2:
+        acc = acc * tl.load(s2_ptr + e * stride_s2e)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0).to(tl.float32)
+    tl.store(y_ptr + n.to(tl.int64) * stride_yn + offs_h, acc.to(y_ptr.dtype.element_ty), mask=h_ok)

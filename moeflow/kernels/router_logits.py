@@ -18,8 +18,10 @@ num_stages are chosen from (E, F, H, dtypes) only, so the same instructions
 produce every logit whatever T is. Inside tl.dot each output element is formed
 by the same MMA (or, for fp32 operands, FMA) sequence wherever its row sits in
 the tile; rows past T are loaded as zeros and never stored. The second pass
-(`_reduce_splits_kernel`, or the selection kernel reading the partials
-directly) adds the S partials in the fixed order above.
+(`_reduce_splits_kernel`, or the selection reading the partials directly, in the
+selection kernel or in the last program of the fused router kernel) adds the S
+partials in the fixed order above. The fused kernel (router_fused.py) runs the same
+`_logits_program` with the same config, hence the same instructions per partial.
 """
 
 from __future__ import annotations
@@ -68,6 +70,72 @@ def _dot_tile(
 
 
 @triton.jit
+def _logits_program(
+    x_ptr,
+    w_ptr,
+    w2_ptr,
+    out_ptr,
+    out2_ptr,
+    part_ptr,
+    T,
+    E,
+    F,
+    H,
+    stride_xt,
+    stride_we,
+    stride_w2e,
+    stride_ot,
+    stride_o2t,
+    stride_ps,
+    pid_e,
+    pid_m,
+    pid_s,
+    CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    AS_F32: tl.constexpr,
+    PARTIAL: tl.constexpr,
+):
+    """The work of program (pid_e, pid_m, pid_s) of the router GEMM (grid as _router_logits_kernel).
+
+    PARTIAL false: writes out [T, E] (and out2 [T, F]) directly (one split only).
+    PARTIAL true:  writes partial p_s into part [SPLIT, T, E + F] (columns E.. hold the
+                   second weight). Shared by this file's kernel and the fused router
+                   kernel (router_fused.py), so both compute every partial with the same code.
+    """
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    lanes = tl.arange(0, BLOCK_E)
+    k_begin = pid_s * CHUNK
+    n_first = tl.cdiv(E, BLOCK_E)
+    # Without a second weight the grid has no program past n_first (F = 0).
+    if pid_e >= n_first:
+        cols = (pid_e - n_first) * BLOCK_E + lanes
+        acc = _dot_tile(
+            x_ptr, w2_ptr, rows, cols, T, F, H, stride_xt, stride_w2e, k_begin,
+            CHUNK, BLOCK_M, BLOCK_E, BLOCK_K, AS_F32,
+        )
+        ok = (rows < T)[:, None] & (cols < F)[None, :]
+        if PARTIAL:
+            dst = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * (E + F) + (E + cols)[None, :]
+            tl.store(dst, acc, mask=ok)
+        else:
+            tl.store(out2_ptr + rows.to(tl.int64)[:, None] * stride_o2t + cols[None, :], acc, mask=ok)
+    else:
+        cols = pid_e * BLOCK_E + lanes
+        acc = _dot_tile(
+            x_ptr, w_ptr, rows, cols, T, E, H, stride_xt, stride_we, k_begin,
+            CHUNK, BLOCK_M, BLOCK_E, BLOCK_K, AS_F32,
+        )
+        ok = (rows < T)[:, None] & (cols < E)[None, :]
+        if PARTIAL:
+            dst = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * (E + F) + cols[None, :]
+            tl.store(dst, acc, mask=ok)
+        else:
+            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc, mask=ok)
+
+
+@triton.jit
 def _router_logits_kernel(
     x_ptr,
     w_ptr,
@@ -98,38 +166,12 @@ def _router_logits_kernel(
     SPLIT > 1:  writes partial p_s into part [SPLIT, T, E + F] (columns E.. hold
                 the second weight); a second pass adds the splits in order.
     """
-    pid_e = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    lanes = tl.arange(0, BLOCK_E)
-    k_begin = pid_s * CHUNK
-    n_first = tl.cdiv(E, BLOCK_E)
-    # Without a second weight the grid has no program past n_first (F = 0).
-    if pid_e >= n_first:
-        cols = (pid_e - n_first) * BLOCK_E + lanes
-        acc = _dot_tile(
-            x_ptr, w2_ptr, rows, cols, T, F, H, stride_xt, stride_w2e, k_begin,
-            CHUNK, BLOCK_M, BLOCK_E, BLOCK_K, AS_F32,
-        )
-        ok = (rows < T)[:, None] & (cols < F)[None, :]
-        if SPLIT == 1:
-            tl.store(out2_ptr + rows.to(tl.int64)[:, None] * stride_o2t + cols[None, :], acc, mask=ok)
-        else:
-            dst = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * (E + F) + (E + cols)[None, :]
-            tl.store(dst, acc, mask=ok)
-    else:
-        cols = pid_e * BLOCK_E + lanes
-        acc = _dot_tile(
-            x_ptr, w_ptr, rows, cols, T, E, H, stride_xt, stride_we, k_begin,
-            CHUNK, BLOCK_M, BLOCK_E, BLOCK_K, AS_F32,
-        )
-        ok = (rows < T)[:, None] & (cols < E)[None, :]
-        if SPLIT == 1:
-            tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc, mask=ok)
-        else:
-            dst = part_ptr + pid_s.to(tl.int64) * stride_ps + rows.to(tl.int64)[:, None] * (E + F) + cols[None, :]
-            tl.store(dst, acc, mask=ok)
+    _logits_program(
+        x_ptr, w_ptr, w2_ptr, out_ptr, out2_ptr, part_ptr, T, E, F, H,
+        stride_xt, stride_we, stride_w2e, stride_ot, stride_o2t, stride_ps,
+        tl.program_id(0), tl.program_id(1), tl.program_id(2),
+        CHUNK, BLOCK_M, BLOCK_E, BLOCK_K, AS_F32, SPLIT > 1,
+    )
 
 
 @triton.jit

@@ -34,6 +34,12 @@ computed, copied back and written into their rows of y: combine then sums every 
 slot order, as it does for the resident model. A fused TokenBatch is run as pairs in such
 a step (the local dispatch, then combine_TH). Counters: `cpu_stats()`.
 
+Sync-free decode (OffloadConfig.sync_free, moeflow.offload.graph): the step reads nothing
+back: a device (layer, expert) -> slot table, a kernel that stages the misses from pinned host
+memory into spare slots of the same pool and remaps the ids, and a cache refill that lags a
+step (`refill()`: eager steps call it; call it between CUDA-graph replays). Counters:
+`graph_stats()`. Steps of more than sync_free_tokens tokens run the path above.
+
 Under expert parallelism each rank's cache holds only its local experts (keys (layer,
 local expert)); the prediction ranks the next layer's experts for this rank's tokens and
 keeps the ones this rank owns.
@@ -134,7 +140,15 @@ class OffloadRuntime:
         self.config = config
         device = torch.device(config.resolved_device())
         policy = make_policy(config.policy, config.gpu_slots, fraction=config.oldest_fraction, seed=config.seed)
-        self.cache = ExpertCache(store, config.gpu_slots, policy, device, measure_wait=config.measure_wait)
+        self.lock = threading.RLock()
+        self.graph = None
+        if config.sync_free:
+            from .graph import SyncFreeOffload
+
+            self.graph = SyncFreeOffload(self, policy)  # its cache's slots are the first rows of its pool
+            self.cache = self.graph.cache
+        else:
+            self.cache = ExpertCache(store, config.gpu_slots, policy, device, measure_wait=config.measure_wait)
         self.device = self.cache.device
         width = config.prediction_width(max(layer.config.top_k for layer in self.layers))
         self.prefetcher = Prefetcher(self.layers, self.cache, width=width, prefetch=config.prefetch_width > 0)
@@ -144,7 +158,6 @@ class OffloadRuntime:
         self._lut_host = torch.zeros(e_max, dtype=torch.int32, pin_memory=pin)
         self._lut_dev = self._lut_host if self.device.type == "cpu" else torch.zeros(
             e_max, dtype=torch.int32, device=self.device)
-        self.lock = threading.RLock()
         self.sources = [OffloadedExperts(self, pos) for pos in range(len(self.layers))]
         self._resident: list = []
         self.cpu_impl = None
@@ -195,6 +208,8 @@ class OffloadRuntime:
             ids = batch.expert_N
         if ids.numel() == 0:
             return x.new_zeros(int(x.shape[0]), H)
+        if self.graph is not None:
+            return self.graph.run_step(pos, impl, batch, config)
         E = self.store.num_experts[pos]
         pred_TW = self.prefetcher.predict_ids(pos, step_input) if step_input is not None else None
         ids_host, pred_host = _read_back(ids, pred_TW)  # the step's one device->host read
@@ -429,9 +444,25 @@ class OffloadRuntime:
         """Counters of CPU execution of missed experts (config.cpu_experts; they add up with stats())."""
         return self._cpu_stats
 
+    def graph_stats(self):
+        """GraphStats of the sync-free path (device hits / staged experts, read back lagged); None when off."""
+        return None if self.graph is None else self.graph.stats
+
+    def refill(self) -> None:
+        """Sync-free path: feed the policy from finished read-backs and start the refill copies, never waiting.
+
+        Eager steps call it themselves; between CUDA-graph replays of a decode step, call it
+        (on the replays' stream) so the cache fills. ValueError when sync_free is off.
+        """
+        if self.graph is None:
+            raise ValueError("refill(): OffloadConfig.sync_free=False, expected a runtime attached with sync_free=True")
+        self.graph.refill()
+
     def reset_stats(self) -> None:
         self.cache.reset_stats()
         self._cpu_stats.__init__()
+        if self.graph is not None:
+            self.graph.reset_stats()
 
 
 def _read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[int], list[list[int]] | None]:
@@ -457,6 +488,26 @@ def _check_cpu_experts(config: OffloadConfig, store_or_weights) -> None:
     if config.cpu_experts != "off" and quant is not None:
         raise ValueError(f"OffloadConfig.cpu_experts={config.cpu_experts!r}: quantized experts (format "
                          f"{getattr(quant, 'format', quant)!r}) are not run on the CPU; expected cpu_experts='off'")
+
+
+def _check_sync_free(layers: list, config: OffloadConfig) -> None:
+    """ValueError naming OffloadConfig.sync_free and the layer when the sync-free path cannot serve it."""
+    for i, layer in enumerate(layers):
+        z = layer.config.router.num_zero_experts
+        if z:
+            # zero experts are dispatched with a host read-back (moeflow.parallel.local)
+            raise ValueError(f"OffloadConfig.sync_free=True: layers[{i}] (layer_idx={layer.layer_idx}) has {z} zero "
+                             f"experts, whose dispatch reads back; expected layers without zero experts")
+        if _local_ids(layer) is not None or not getattr(layer.dispatcher, "fuses", True):
+            raise ValueError(f"OffloadConfig.sync_free=True: layers[{i}] (layer_idx={layer.layer_idx}) is expert-"
+                             f"parallel ({type(layer.dispatcher).__name__}); expected single-device layers")
+    dev = torch.device(config.resolved_device())
+    if dev.type == "cuda":
+        from .._triton import triton_available
+
+        if not triton_available():
+            raise ValueError(f"OffloadConfig.sync_free=True on {dev}: needs the triton package (its gather kernel); "
+                             f"expected device='cpu' or Triton installed")
 
 
 def _resident_weights(layer, i: int) -> ExpertWeights:
@@ -500,6 +551,8 @@ def check_offload(layers: Sequence, config: OffloadConfig) -> list[ExpertWeights
     config.check_layers([layer.config.top_k for layer in layers], [layer.config.num_experts for layer in layers])
     weights = [_resident_weights(layer, i) for i, layer in enumerate(layers)]
     _check_cpu_experts(config, weights[0])
+    if config.sync_free:
+        _check_sync_free(layers, config)
     if config.store == "mmap" or (config.store == "auto" and config.checkpoint is not None):
         if config.checkpoint is not None and not os.path.exists(os.fspath(config.checkpoint)):
             raise ValueError(f"OffloadConfig.checkpoint={os.fspath(config.checkpoint)!r}: no such file or directory")
@@ -540,6 +593,9 @@ def attach_offload(layers: Sequence, config: OffloadConfig, *, release: bool = T
         runtime.install()
         return runtime
     mode = _choose_store(weights, config)
+    if config.sync_free and mode != "pinned":
+        raise ValueError(f"OffloadConfig.sync_free=True: store={config.store!r} resolved to {mode!r} (the packed "
+                         f"pinned copy does not fit in available host memory); expected room for a pinned copy")
     if mode == "mmap" and weights[0].quant is not None:
         raise ValueError("OffloadConfig.store='mmap': quantized experts are served from a pinned host copy "
                          "(store='pinned' or 'auto'); reading them lazily from the checkpoint is not built")
@@ -556,7 +612,7 @@ def attach_offload(layers: Sequence, config: OffloadConfig, *, release: bool = T
                 raise ValueError(f"layers[{i}]: {w.num_experts} experts, but checkpoint layer {ids[i]} "
                                  f"has {store.num_experts[i]}")
     else:
-        store = ExpertStore.from_weights(weights, mode=mode, progress=progress)
+        store = ExpertStore.from_weights(weights, mode=mode, progress=progress, packed=config.sync_free)
     runtime = OffloadRuntime(layers, store, config)
     resident = [layer.source for layer in layers]
     runtime.install()

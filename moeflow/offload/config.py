@@ -81,6 +81,20 @@ class OffloadConfig:
                     moeflow.offload.cpu_experts); "always" runs every miss on the CPU (tests,
                     llama.cpp --n-cpu-moe-like runs). Unquantized experts only. Numerical
                     contract: docs/offload.md, "CPU execution of missed experts".
+    sync_free:      decode with no host sync per layer step, capturable in a CUDA graph
+                    (moeflow.offload.graph): a device table maps (layer, expert) -> slot, a
+                    kernel copies the step's missing experts from pinned host memory into
+                    staging slots and remaps the ids, and the cache refills a step later from
+                    ids read back without waiting (event queries). Bit-identical to the resident
+                    model. A step of more than `sync_free_tokens` tokens (a prefill) runs the
+                    synchronous path. Needs store "pinned"/"auto" (a packed pinned copy), Triton
+                    on a CUDA cache (the CPU runs a torch version of the same step), policy
+                    "lru" or "random_oldest", prefetch_width=0, cpu_experts="off", no zero experts
+                    and no expert parallelism; anything else is refused with a ValueError.
+                    Between CUDA-graph replays call `runtime.refill()` (eager steps call it).
+    sync_free_tokens: tokens per layer step the sync-free path serves (decode batch size);
+                    the device pool holds gpu_slots + min(E, sync_free_tokens * K) experts
+                    (the staging slots: one step's misses always fit).
     """
 
     gpu_slots: int
@@ -94,6 +108,8 @@ class OffloadConfig:
     seed: int = 0
     measure_wait: bool = True
     cpu_experts: str = "off"
+    sync_free: bool = False
+    sync_free_tokens: int = 1
 
     def __post_init__(self) -> None:
         if not _is_int(self.gpu_slots) or self.gpu_slots < 1:
@@ -132,6 +148,29 @@ class OffloadConfig:
             raise TypeError(f"OffloadConfig.measure_wait={self.measure_wait!r}: expected a bool")
         if not isinstance(self.cpu_experts, str) or self.cpu_experts not in CPU_EXPERTS:
             raise ValueError(f"OffloadConfig.cpu_experts={self.cpu_experts!r}: expected one of {CPU_EXPERTS}")
+        self._check_sync_free()
+
+    def _check_sync_free(self) -> None:
+        """The combinations the sync-free path does not serve are refused here, naming the field."""
+        if not isinstance(self.sync_free, bool):
+            raise TypeError(f"OffloadConfig.sync_free={self.sync_free!r}: expected a bool")
+        if not _is_int(self.sync_free_tokens) or self.sync_free_tokens < 1:
+            raise ValueError(f"OffloadConfig.sync_free_tokens={self.sync_free_tokens!r}: expected an int >= 1")
+        if not self.sync_free:
+            return
+        if self.prefetch_width:
+            # a lagged prediction would copy guesses for a token already gone: bytes for nothing
+            raise ValueError(f"OffloadConfig.prefetch_width={self.prefetch_width}: sync_free=True serves no "
+                             f"prefetch; expected prefetch_width=0")
+        if self.policy in PREDICTIVE_POLICIES:
+            raise ValueError(f"OffloadConfig.policy={self.policy!r}: sync_free=True runs no next-layer predictor "
+                             f"(its keys would need a read-back); expected 'lru' or 'random_oldest'")
+        if self.cpu_experts != "off":
+            raise ValueError(f"OffloadConfig.cpu_experts={self.cpu_experts!r}: sync_free=True copies every miss "
+                             f"on the device; expected cpu_experts='off'")
+        if self.store not in ("auto", "pinned"):
+            raise ValueError(f"OffloadConfig.store={self.store!r}: sync_free=True reads experts from one packed "
+                             f"pinned host buffer per layer; expected store='pinned' or 'auto'")
 
     def check_layers(self, top_ks: list[int], num_experts: list[int]) -> None:
         """ValueError when the slots cannot hold one step of the widest layer.

@@ -17,6 +17,13 @@ Modes:
             cache is the host tier. For host memory shorter than the experts.
     model   the model's own tensors, no copy (CPU tests, or when they are already pinned).
 
+Packed layout (`from_weights(..., packed=True)`, the sync-free decode of moeflow.offload.graph):
+each layer's experts live in ONE host buffer uint8 [E, B]; row e holds expert e's tensors
+back to back (each at a 16-byte aligned offset, B a multiple of 16), and the per-name
+tensors are strided views into it. A device kernel then moves an expert as one row of
+bytes, whatever the tensors' dtypes (quantized bytes included): `packed_layout`,
+`packed_views` (the device slot pool uses the same layout).
+
 `pieces(layer, expert)` is the copy recipe: [(name, rows | None, src)], where
 `rows = (a, b)` writes src into slot[name][a:b] (Mixtral's w1 / w3 fill the two
 halves of gate_up) and None fills the whole per-expert tensor.
@@ -84,6 +91,10 @@ class ExpertStore:
         self.mode = mode
         self.pinned = pinned
         self._recipes = recipes  # layer -> callable(expert) -> pieces
+        # Packed layout (module doc): per layer a uint8 [E, B] host buffer, or None.
+        self.packed: list[torch.Tensor] | None = None
+        self.packed_offsets: dict[str, int] = {}
+        self.packed_row_bytes = 0
         self.expert_bytes = sum(math.prod(s) * torch.empty((), dtype=self.dtypes[n]).element_size()
                                 for n, s in self.shapes.items())
 
@@ -107,15 +118,19 @@ class ExpertStore:
     # ---- constructors ----------------------------------------------------------------------
     @classmethod
     def from_weights(cls, weights: Sequence, *, mode: str = "pinned", pin: bool | None = None,
-                     progress: bool = True) -> ExpertStore:
+                     progress: bool = True, packed: bool = False) -> ExpertStore:
         """A store of the given layers' ExpertWeights (one per offloaded layer, in order).
 
         mode "pinned": copies each layer's tensors once into host memory (page-locked when
         `pin`, default: CUDA available); a tensor shared by several layers is copied once.
         mode "model": the tensors themselves (must be on the CPU).
+        packed: (mode "pinned" only) one uint8 [E, B] buffer per layer holding every expert's
+        bytes in a row (module doc); the per-name tensors are views into it. Same host bytes.
         """
         if mode not in ("pinned", "model"):
             raise ValueError(f"mode={mode!r}: expected 'pinned' or 'model' (use from_checkpoint for 'mmap')")
+        if packed and mode != "pinned":
+            raise ValueError(f"packed=True: needs mode='pinned' (a copy into the packed buffers), got mode={mode!r}")
         if not weights:
             raise ValueError("weights: empty, expected one ExpertWeights per offloaded layer")
         w0 = weights[0]
@@ -147,21 +162,35 @@ class ExpertStore:
                 copies[key] = dst
             return copies[key]
 
+        dtypes = {n: getattr(w0, n).dtype for n in shapes}
+        offsets, row_bytes = packed_layout(shapes, dtypes)
+        buffers: list[torch.Tensor] = []
+
+        def packed_host(w) -> dict[str, torch.Tensor]:
+            buf = torch.zeros((_expert_count(w), row_bytes), dtype=torch.uint8, pin_memory=pin)
+            views = packed_views(buf, shapes, dtypes, offsets)
+            for n, v in views.items():
+                v.copy_(getattr(w, n).detach())
+            buffers.append(buf)
+            return views
+
         per_layer: list[dict[str, torch.Tensor]] = []
         total = sum(_expert_count(w) for w in weights)
         it = _progress(range(len(weights)), total=len(weights), desc=f"experts -> host ({total} experts)",
                        enabled=progress and mode == "pinned")
         for i in it:
             w = weights[i]
-            per_layer.append({n: host(getattr(w, n)) for n in shapes})
+            per_layer.append(packed_host(w) if packed else {n: host(getattr(w, n)) for n in shapes})
 
         def recipe(tensors: dict[str, torch.Tensor]):
             return lambda e: [(name, None, t[e]) for name, t in tensors.items()]
 
-        return cls(num_experts=[_expert_count(w) for w in weights], shapes=shapes, dtype=w0.dtype,
-                   layout=w0.layout, interleaved=w0.interleaved, mode=mode, pinned=pin,
-                   recipes=[recipe(t) for t in per_layer], dtypes={n: getattr(w0, n).dtype for n in shapes},
-                   quant=w0.quant)
+        store = cls(num_experts=[_expert_count(w) for w in weights], shapes=shapes, dtype=w0.dtype,
+                    layout=w0.layout, interleaved=w0.interleaved, mode=mode, pinned=pin,
+                    recipes=[recipe(t) for t in per_layer], dtypes=dtypes, quant=w0.quant)
+        if packed:
+            store.packed, store.packed_offsets, store.packed_row_bytes = buffers, offsets, row_bytes
+        return store
 
     @classmethod
     def from_checkpoint(cls, path: str | os.PathLike, layer_ids: Sequence[int], *, layout: str = "linear",
@@ -221,6 +250,42 @@ class ExpertStore:
             raise ValueError("layer_ids: empty, expected the checkpoint layers to offload")
         return cls(num_experts=counts, shapes=shapes, dtype=store_dtype, layout=layout,
                    interleaved=interleaved, mode="mmap", pinned=False, recipes=recipes)
+
+
+# Alignment of each tensor inside a packed row, and of the row itself (16 bytes: any dtype's
+# element, torch's grouped GEMM's pointer rule, and 4-word vector loads in the gather kernel).
+PACK_ALIGN = 16
+
+
+def packed_layout(shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype]
+                  ) -> tuple[dict[str, int], int]:
+    """(name -> byte offset inside a packed row, row bytes B): names in `shapes` order, each 16-aligned."""
+    offsets: dict[str, int] = {}
+    off = 0
+    for n, shape in shapes.items():
+        offsets[n] = off
+        nbytes = math.prod(shape) * torch.empty((), dtype=dtypes[n]).element_size()
+        off += -(-nbytes // PACK_ALIGN) * PACK_ALIGN
+    return offsets, max(off, PACK_ALIGN)
+
+
+def packed_views(buf_RB: torch.Tensor, shapes: dict[str, tuple[int, ...]], dtypes: dict[str, torch.dtype],
+                 offsets: dict[str, int]) -> dict[str, torch.Tensor]:
+    """name -> view [R, *shape] (its dtype) of a packed uint8 buffer [R, B] (rows: experts or slots).
+
+    Each view has stride(0) = B / element size and its own per-expert part contiguous, so
+    row r of every view is expert r's tensor as an unpacked [E, *shape] tensor would hold it.
+    """
+    if buf_RB.dtype != torch.uint8 or buf_RB.dim() != 2:
+        raise ValueError(f"buf_RB: {buf_RB.dtype} shape {tuple(buf_RB.shape)}, expected uint8 [R, B]")
+    out: dict[str, torch.Tensor] = {}
+    R = int(buf_RB.shape[0])
+    for n, shape in shapes.items():
+        size = torch.empty((), dtype=dtypes[n]).element_size()
+        numel = math.prod(shape)
+        flat = buf_RB[:, offsets[n] : offsets[n] + numel * size].view(dtypes[n])  # [R, numel]
+        out[n] = flat.view(R, *shape) if shape else flat[:, 0]
+    return out
 
 
 def _expert_count(w) -> int:

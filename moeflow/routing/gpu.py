@@ -14,6 +14,13 @@ it when it chooses (`result.check()`, one host sync), so a decode step can run
 many layers before looking. Values-independent errors (dtype, shape, device)
 raise at once.
 
+`router_step_cuda` (what the layer runs) is one launch for 1 <= T <= FUSED_MAX_T: the
+GEMM's programs write split partials, and the last program of each row group (an
+atomic ticket on a persistent per-device counter the kernel resets itself, so no memset
+and CUDA-graph capturable) sums them and selects (moeflow/kernels/router_fused.py).
+Above FUSED_MAX_T it is the GEMM kernel + the selection kernel. Both give the same bits
+for a row, so the layer stays batch-invariant across the threshold.
+
 Triton is imported here lazily by importing the private kernel modules; this
 module is only imported when a CUDA tensor reaches moeflow.routing.
 """
@@ -34,6 +41,17 @@ _MAX_SLOTS = 4096  # a row's logits live in registers of one program
 # Set only by a Triton-interpreter development harness (TRITON_INTERPRET=1), which
 # runs the same kernels on CPU tensors; the library itself requires CUDA tensors.
 _ALLOW_CPU = False
+
+# router_step_cuda runs the single-kernel step (moeflow/kernels/router_fused.py) for
+# 1 <= T <= FUSED_MAX_T. Measured on an H200 (bench_routing.py, CUDA graph, L2 flushed,
+# 5 standard shapes): fused beats the two-kernel step at T = 1 by 0.2-0.5 us (7.7-12.1 us)
+# but loses at T = 8 (10-23 us vs 9-12.5 us) and badly at T = 64 (up to 117 vs 13 us): its
+# last program selects the rows serially in chunks, where the selection kernel runs one
+# program per row. Raise this once the fused tail is faster (same bits either way).
+FUSED_MAX_T = 1
+_TICKET_SLOTS = 1024  # row-group counters of the fused kernel per device (T <= 1024 * block_m)
+_SELECT_TILE = 2048  # elements of the [rows, NGP, PP] tile the fused kernel's last program selects at once
+_TICKETS: dict[tuple[str, int | None], torch.Tensor] = {}
 
 _SCORE_CODES = {"softmax": 0, "sigmoid": 1, "sqrtsoftplus": 2, "topk_softmax": 3, "topk_sigmoid": 4}
 STATUS_OK, STATUS_NAN, STATUS_BAD_INPUT_ID, STATUS_BAD_TABLE = 0, 1, 2, 3
@@ -186,11 +204,15 @@ class PredictResult:
 
 @dataclass(frozen=True)
 class RouterStep:
-    """The fused router step: logits, this layer's routing, and optionally the prediction."""
+    """The router step: logits, this layer's routing, and optionally the prediction.
+
+    fused: True when one launch (router_fused.py) computed it, False for the two-kernel path.
+    """
 
     logits_TS: torch.Tensor
     routing: CudaRoutingResult
     prediction: PredictResult | None = None
+    fused: bool = False
 
 
 # --------------------------------------------------------------------------- checks
@@ -261,16 +283,22 @@ class _Logits:
     split: int
 
 
-def _launch_gemm(
-    x_TH: torch.Tensor,
-    weight_EH: torch.Tensor,
-    next_weight_FH: torch.Tensor | None,
-    config: LogitsConfig | None,
-    *,
-    want_final: bool,
-) -> _Logits:
-    from ..kernels.router_logits import _reduce_splits_kernel, _router_logits_kernel
+@dataclass(frozen=True)
+class _Gemm:
+    """A validated router GEMM: sizes, dtype path and the fixed config (nothing launched)."""
 
+    T: int
+    H: int
+    E: int
+    F: int
+    as_f32: bool
+    cfg: LogitsConfig
+
+
+def _plan_gemm(
+    x_TH: torch.Tensor, weight_EH: torch.Tensor, next_weight_FH: torch.Tensor | None, config: LogitsConfig | None
+) -> _Gemm:
+    """Check the GEMM operands (dtype, shape, device, strides) and pick its config."""
     _check_matrix("x_TH", x_TH)
     _check_matrix("weight_EH", weight_EH)
     T, H = x_TH.shape
@@ -297,6 +325,28 @@ def _launch_gemm(
     cfg = config or logits_config(E, H, as_f32)
     if cfg.split != _cdiv(H, cfg.chunk) or cfg.chunk % cfg.block_k:
         raise ValueError(f"config: {cfg} inconsistent with H={H}")
+    return _Gemm(T=T, H=H, E=E, F=F, as_f32=as_f32, cfg=cfg)
+
+
+def _partials(g: _Gemm, device: torch.device) -> torch.Tensor:
+    """The split-partial buffer f32 [split, T, E + F] of a GEMM."""
+    if g.cfg.split * g.T * (g.E + g.F) >= 2**31:
+        raise ValueError(f"x_TH: T={g.T} too large for the split buffer ({g.cfg.split} x {g.T} x {g.E + g.F} f32)")
+    return torch.empty(g.cfg.split, g.T, g.E + g.F, dtype=torch.float32, device=device)
+
+
+def _launch_gemm(
+    x_TH: torch.Tensor,
+    weight_EH: torch.Tensor,
+    next_weight_FH: torch.Tensor | None,
+    config: LogitsConfig | None,
+    *,
+    want_final: bool,
+) -> _Logits:
+    from ..kernels.router_logits import _reduce_splits_kernel, _router_logits_kernel
+
+    g = _plan_gemm(x_TH, weight_EH, next_weight_FH, config)
+    T, H, E, F, as_f32, cfg = g.T, g.H, g.E, g.F, g.as_f32, g.cfg
     dev = x_TH.device
     out_TE = torch.empty(T, E, dtype=torch.float32, device=dev)
     out_TF = torch.empty(T, F, dtype=torch.float32, device=dev) if F else None
@@ -304,11 +354,7 @@ def _launch_gemm(
         return _Logits(out_TE, out_TF, None, E, F, 1)
     w2 = next_weight_FH if F else weight_EH
     o2 = out_TF if F else _dummy(dev)
-    part = None
-    if cfg.split > 1:
-        if cfg.split * T * (E + F) >= 2**31:
-            raise ValueError(f"x_TH: T={T} too large for the split buffer ({cfg.split} x {T} x {E + F} f32)")
-        part = torch.empty(cfg.split, T, E + F, dtype=torch.float32, device=dev)
+    part = _partials(g, dev) if cfg.split > 1 else None
     grid = (_cdiv(E, cfg.block_e) + _cdiv(F, cfg.block_e), _cdiv(T, cfg.block_m), cfg.split)
     _router_logits_kernel[grid](
         x_TH, weight_EH, w2, out_TE, o2, part if part is not None else _dummy(dev),
@@ -370,15 +416,29 @@ def _group_params(spec: RouterSpec, width: int, apply_groups: bool) -> tuple[int
     return 1, S, 1
 
 
-def _launch_select(
-    src: torch.Tensor,
+@dataclass(frozen=True)
+class _SelectPlan:
+    """One selection's outputs and its `_select_rows` arguments (router_select.py).
+
+    The selection kernel and the fused router kernel take the same plan, so both run a
+    selection with the same arguments: one place decides the constexprs of a family rule.
+    """
+
+    ids_TK: torch.Tensor
+    weights_TK: torch.Tensor | None
+    keys_TK2: torch.Tensor | None
+    status: RoutingStatus
+    ptrs: tuple  # rbias, logits_out, bias, scale, input_ids, table, ids, weights, keys, status
+    ints: tuple  # S, E, V, stride_lo, stride_tv, layer, eps, scaling
+    meta: dict  # constexprs of _select_rows but ROWS, SPLIT, PRECISE, CACHE
+    tile: int  # NGP * PP: elements of one row's register tile
+
+
+def _plan_select(
+    dev: torch.device,
     *,
     T: int,
     spec: RouterSpec,
-    stride_row: int,
-    stride_split: int,
-    col0: int,
-    split: int,
     K: int,
     apply_groups: bool,
     mask_zero: bool,
@@ -393,10 +453,9 @@ def _launch_select(
     input_ids: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     status_layer: int | None = None,
-):
-    from ..kernels.router_select import _route_kernel
-
-    dev = src.device
+) -> _SelectPlan:
+    """Allocate a selection's outputs (ids int32 [T, K], weights f32 [T, K] or keys int32
+    [T, K, 2], status int32 [T]) and gather its kernel arguments; launches nothing."""
     S = spec.num_slots
     if S > _MAX_SLOTS:
         raise ValueError(f"spec.num_slots={S}: the GPU selection holds a row in registers, at most {_MAX_SLOTS}")
@@ -412,55 +471,53 @@ def _launch_select(
             ids_flat = ids_flat.contiguous()
         if hash_table.stride(1) != 1:
             hash_table = hash_table.contiguous()
-    if T:
-        dummy = _dummy(dev)
-        NGP, PP = _next_pow2(G), _next_pow2(P)
-        _route_kernel[(T,)](
-            src,
-            router_bias if router_bias is not None else dummy,
-            logits_out if logits_out is not None else dummy,
-            bias if bias is not None else dummy,
-            expert_scale if expert_scale is not None else dummy,
-            ids_flat if ids_flat is not None else dummy,
-            hash_table if hash_lookup else dummy,
-            ids_TK,
-            weights_TK if weights_TK is not None else dummy,
-            keys_TK2 if keys_TK2 is not None else dummy,
-            status_T,
-            T, S, spec.num_experts,
-            hash_table.shape[0] if hash_lookup else 0,
-            stride_row, stride_split, col0,
-            logits_out.stride(0) if logits_out is not None else 0,
-            hash_table.stride(0) if hash_lookup else 0,
-            keys_layer if keys_layer is not None else 0,
-            float(spec.renorm_eps),
-            float(spec.scaling_factor),
-            SPLIT=split,
-            SCORE=_SCORE_CODES[spec.score_fn],
-            K=K,
-            KP=_next_pow2(K),
-            G=G,
-            P=P,
-            NGP=NGP,
-            PP=PP,
-            TOPK_GROUP=topk_group,
-            GROUP_TOP2=spec.group_score == "top2_sum",
-            HAS_RBIAS=router_bias is not None,
-            WRITE_LOGITS=logits_out is not None,
-            HAS_BIAS=bias is not None,
-            HAS_SCALE=expert_scale is not None,
-            HASH=hash_lookup,
-            KT=table_width if hash_lookup else 0,
-            SELECT=not hash_lookup or K > table_width,
-            START=table_width if hash_lookup else 0,
-            RENORM=bool(spec.renorm),
-            HAS_SCALING=spec.scaling_factor != 1.0,
-            MASK_ZERO=mask_zero,
-            WEIGHTS=weights,
-            KEYS=keys_layer is not None,
-            PRECISE=dev.type == "cuda",
-            num_warps=4 if NGP * PP <= 1024 else 8,
-        )
+    dummy = _dummy(dev)
+    NGP, PP = _next_pow2(G), _next_pow2(P)
+    ptrs = (
+        router_bias if router_bias is not None else dummy,
+        logits_out if logits_out is not None else dummy,
+        bias if bias is not None else dummy,
+        expert_scale if expert_scale is not None else dummy,
+        ids_flat if ids_flat is not None else dummy,
+        hash_table if hash_lookup else dummy,
+        ids_TK,
+        weights_TK if weights_TK is not None else dummy,
+        keys_TK2 if keys_TK2 is not None else dummy,
+        status_T,
+    )
+    ints = (
+        S, spec.num_experts,
+        hash_table.shape[0] if hash_lookup else 0,
+        logits_out.stride(0) if logits_out is not None else 0,
+        hash_table.stride(0) if hash_lookup else 0,
+        keys_layer if keys_layer is not None else 0,
+        float(spec.renorm_eps),
+        float(spec.scaling_factor),
+    )
+    meta = dict(
+        SCORE=_SCORE_CODES[spec.score_fn],
+        K=K,
+        KP=_next_pow2(K),
+        G=G,
+        P=P,
+        NGP=NGP,
+        PP=PP,
+        TOPK_GROUP=topk_group,
+        GROUP_TOP2=spec.group_score == "top2_sum",
+        HAS_RBIAS=router_bias is not None,
+        WRITE_LOGITS=logits_out is not None,
+        HAS_BIAS=bias is not None,
+        HAS_SCALE=expert_scale is not None,
+        HASH=hash_lookup,
+        KT=table_width if hash_lookup else 0,
+        SELECT=not hash_lookup or K > table_width,
+        START=table_width if hash_lookup else 0,
+        RENORM=bool(spec.renorm),
+        HAS_SCALING=spec.scaling_factor != 1.0,
+        MASK_ZERO=mask_zero,
+        WEIGHTS=weights,
+        KEYS=keys_layer is not None,
+    )
     status = RoutingStatus(
         status_T,
         layer=status_layer,
@@ -468,7 +525,22 @@ def _launch_select(
         hash_table=hash_table if hash_lookup else None,
         num_slots=S,
     )
-    return ids_TK, weights_TK, keys_TK2, status
+    return _SelectPlan(ids_TK, weights_TK, keys_TK2, status, ptrs, ints, meta, NGP * PP)
+
+
+def _launch_select(
+    src: torch.Tensor, plan: _SelectPlan, *, T: int, stride_row: int, stride_split: int, col0: int, split: int
+) -> _SelectPlan:
+    """The selection kernel on logits (or split partials) `src`: one program per row."""
+    from ..kernels.router_select import _route_kernel
+
+    if T:
+        _route_kernel[(T,)](
+            src, *plan.ptrs, T, *plan.ints[:3], stride_row, stride_split, col0, *plan.ints[3:],
+            ROWS=1, SPLIT=split, PRECISE=src.device.type == "cuda", **plan.meta,
+            num_warps=4 if plan.tile <= 1024 else 8,
+        )
+    return plan
 
 
 def route_cuda(
@@ -507,13 +579,13 @@ def route_cuda(
         input_ids = _vector("input_ids", input_ids, dev)
         hash_table = _vector("hash_table", hash_table, dev)
     T = logits_TE.shape[0]
-    ids, w, _, status = _launch_select(
-        logits_TE, T=T, spec=spec, stride_row=logits_TE.stride(0), stride_split=0, col0=0, split=1,
-        K=spec.top_k, apply_groups=True, mask_zero=False, hash_lookup=spec.hash_routing, table_width=spec.top_k,
-        weights=True, keys_layer=None, bias=bias, expert_scale=expert_scale, input_ids=input_ids,
-        hash_table=hash_table, status_layer=layer,
+    plan = _plan_select(
+        dev, T=T, spec=spec, K=spec.top_k, apply_groups=True, mask_zero=False, hash_lookup=spec.hash_routing,
+        table_width=spec.top_k, weights=True, keys_layer=None, bias=bias, expert_scale=expert_scale,
+        input_ids=input_ids, hash_table=hash_table, status_layer=layer,
     )
-    return CudaRoutingResult(ids_TK=ids, weights_TK=w, status=status)
+    _launch_select(logits_TE, plan, T=T, stride_row=logits_TE.stride(0), stride_split=0, col0=0, split=1)
+    return CudaRoutingResult(ids_TK=plan.ids_TK, weights_TK=plan.weights_TK, status=plan.status)
 
 
 def _predict_plan(spec: RouterSpec, width: int | None, input_ids, hash_table) -> tuple[int, bool, bool]:
@@ -579,6 +651,20 @@ def predict_next_cuda(
                          bias=bias, router_bias=router_bias_E, input_ids=input_ids, hash_table=hash_table)
 
 
+def _plan_predict(dev, T: int, spec, W, apply_groups, hash_lookup, layer, *, bias, router_bias, input_ids,
+                  hash_table) -> _SelectPlan:
+    """The selection plan of a next-layer prediction (keys, no weights; zero experts never predicted)."""
+    return _plan_select(
+        dev, T=T, spec=spec, K=W, apply_groups=apply_groups, mask_zero=spec.num_zero_experts > 0,
+        hash_lookup=hash_lookup, table_width=min(W, spec.top_k), weights=False, keys_layer=layer,
+        router_bias=router_bias, bias=bias, input_ids=input_ids, hash_table=hash_table, status_layer=layer,
+    )
+
+
+def _prediction(plan: _SelectPlan) -> PredictResult:
+    return PredictResult(keys_TW2=plan.keys_TK2, ids_TW=plan.ids_TK, status=plan.status)
+
+
 def _predict_from(r: _Logits, col0: int, T: int, spec, W, apply_groups, hash_lookup, layer, *,
                   bias, router_bias, input_ids, hash_table) -> PredictResult:
     if r.part_STC is not None:
@@ -586,13 +672,76 @@ def _predict_from(r: _Logits, col0: int, T: int, spec, W, apply_groups, hash_loo
     else:
         src = r.out_TE if col0 == 0 else r.out_TF
         stride_row, stride_split, split, col0 = src.stride(0), 0, 1, 0
-    ids, _, keys, status = _launch_select(
-        src, T=T, spec=spec, stride_row=stride_row, stride_split=stride_split, col0=col0, split=split,
-        K=W, apply_groups=apply_groups, mask_zero=spec.num_zero_experts > 0, hash_lookup=hash_lookup,
-        table_width=min(W, spec.top_k), weights=False, keys_layer=layer, router_bias=router_bias, bias=bias, input_ids=input_ids,
-        hash_table=hash_table, status_layer=layer,
+    plan = _plan_predict(src.device, T, spec, W, apply_groups, hash_lookup, layer, bias=bias,
+                         router_bias=router_bias, input_ids=input_ids, hash_table=hash_table)
+    _launch_select(src, plan, T=T, stride_row=stride_row, stride_split=stride_split, col0=col0, split=split)
+    return _prediction(plan)
+
+
+def _tickets(device: torch.device) -> torch.Tensor | None:
+    """The fused kernel's per-device row-group counters: int32 [_TICKET_SLOTS], zero between launches.
+
+    Zeroed once, when first asked for outside a CUDA-graph capture; every fused launch
+    leaves them at zero (its last program per row group resets its counter), so no
+    launch needs a memset. None while a capture is running and the buffer does not
+    exist yet: a memset would only run at replay, so the caller takes the two-kernel
+    path for that call (warm up once before capturing, as torch's graph docs ask anyway).
+    """
+    key = (device.type, device.index)
+    t = _TICKETS.get(key)
+    if t is None:
+        if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+            return None
+        t = _TICKETS[key] = torch.zeros(_TICKET_SLOTS, dtype=torch.int32, device=device)
+    return t
+
+
+def _fused_rows(tile: int, T: int, block_m: int) -> int:
+    """Rows the fused kernel's last program selects at once: 1 for a single token (the decode
+    case, smallest tile), else a [rows, NGP, PP] tile of at most _SELECT_TILE elements and at
+    most a row group. Two values per family rule only (each is a compiled variant); the bits
+    do not depend on it (router_select.py)."""
+    if min(T, block_m) == 1:
+        return 1
+    return max(1, min(_SELECT_TILE // tile, _next_pow2(block_m)))
+
+
+def _launch_fused(
+    x_TH: torch.Tensor,
+    weight_EH: torch.Tensor,
+    next_weight_FH: torch.Tensor | None,
+    g: _Gemm,
+    tickets: torch.Tensor,
+    a: _SelectPlan,
+    b: _SelectPlan | None,
+) -> None:
+    """One launch: GEMM partials, ticket, and the last program per row group selects (router_fused.py)."""
+    from ..kernels.router_fused import _router_fused_kernel
+
+    dev = x_TH.device
+    cfg = g.cfg
+    T, E, F = g.T, g.E, g.F
+    part = _partials(g, dev)
+    w2 = next_weight_FH if F else weight_EH
+    tile = max(a.tile, b.tile) if b is not None else a.tile
+    rows = _fused_rows(tile, T, cfg.block_m)
+    dummy = _dummy(dev)
+    # Without a prediction the B arguments are never read: dummies, never a's outputs
+    # (the Triton interpreter copies every argument back after the launch).
+    b_ptrs = b.ptrs if b is not None else (dummy,) * len(a.ptrs)
+    b_ints = b.ints if b is not None else a.ints
+    b_meta = b.meta if b is not None else a.meta
+    grid = (_cdiv(E, cfg.block_e) + _cdiv(F, cfg.block_e), _cdiv(T, cfg.block_m), cfg.split)
+    _router_fused_kernel[grid](
+        x_TH, weight_EH, w2, part, tickets,
+        T, E, F, g.H, x_TH.stride(0), weight_EH.stride(0), w2.stride(0), T * (E + F),
+        *a.ptrs, *a.ints, *b_ptrs, *b_ints,
+        CHUNK=cfg.chunk, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
+        AS_F32=g.as_f32, ROWS=rows, PREDICT=b is not None, PRECISE=dev.type == "cuda",
+        **{f"A_{k}": v for k, v in a.meta.items()}, **{f"B_{k}": v for k, v in b_meta.items()},
+        # the GEMM config's warps and stages: the partials' instructions are the GEMM kernel's
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    return PredictResult(keys_TW2=keys, ids_TW=ids, status=status)
 
 
 def router_step_cuda(
@@ -615,33 +764,99 @@ def router_step_cuda(
     next_input_ids: torch.Tensor | None = None,
     next_hash_table: torch.Tensor | None = None,
     config: LogitsConfig | None = None,
+    fused: bool | None = None,
 ) -> RouterStep:
-    """The whole router of a layer in two launches (three with a prediction), no host sync.
+    """The whole router of a layer: logits, selection and (optionally) the next layer's prediction.
 
-    One GEMM launch computes this layer's logits (and, given next_weight_EH, the
-    next layer's on the same input); the selection kernel adds the split partials
-    in the fixed order, adds `router_bias` (gpt-oss's linear bias), writes the
-    logits and selects. Bits: logits_TS equals router_logits_cuda(x, w) (+ router_bias
+    Args: x_TH [T, H] and weight_EH [E + Z, H] as router_logits_cuda; spec and bias /
+        expert_scale / input_ids / hash_table / layer as route_cuda; router_bias f32-able
+        [E + Z] (gpt-oss's linear bias, added to the f32 logits); next_* as
+        predict_next_cuda (next_weight_EH of weight_EH's dtype); config as router_logits_cuda.
+        fused: None picks the single-kernel step for 1 <= T <= FUSED_MAX_T and the
+        two-kernel step above; True / False force one (tests, benchmarks).
+    Returns:
+        RouterStep(logits_TS f32 [T, E + Z] (+ router_bias), routing, prediction, fused).
+
+    Fused (one launch, router_fused.py): the GEMM's programs write split partials and
+    the last program of each row group (an atomic ticket) sums them and selects.
+    Two-kernel: one GEMM launch computes this layer's logits (and, given
+    next_weight_EH, the next layer's on the same input); the selection kernel adds the
+    split partials in the fixed order, adds `router_bias`, writes the logits and
+    selects; a prediction is a third launch. No host sync either way.
+    Bits, both paths and every T: logits_TS equals router_logits_cuda(x, w) (+ router_bias
     as f32), routing equals route_cuda on those logits, prediction equals
-    predict_next_cuda(x, next_weight_EH, ...).
+    predict_next_cuda(x, next_weight_EH, ...). A row's results do not depend on T.
     """
-    r = _launch_gemm(x_TH, weight_EH, next_weight_EH, config, want_final=False)
-    T = x_TH.shape[0]
-    if r.E != spec.num_slots:
-        raise ValueError(f"weight_EH: {r.E} rows, expected spec.num_slots={spec.num_slots}")
+    if fused is not None and not isinstance(fused, bool):
+        raise TypeError(f"fused: {fused!r}, expected None or a bool")
+    g = _plan_gemm(x_TH, weight_EH, next_weight_EH, config)
+    T, E, F = g.T, g.E, g.F
+    if E != spec.num_slots:
+        raise ValueError(f"weight_EH: {E} rows, expected spec.num_slots={spec.num_slots}")
+    logits_like = torch.empty(T, E, dtype=torch.float32, device="meta")  # shape-only validation
     validate_route_inputs(
-        r.out_TE, spec, bias=bias, expert_scale=expert_scale, input_ids=input_ids, hash_table=hash_table,
+        logits_like, spec, bias=bias, expert_scale=expert_scale, input_ids=input_ids, hash_table=hash_table,
         check_nan=False, layer=layer,
     )
     dev = x_TH.device
     router_bias = _vector("router_bias", router_bias, dev)
-    if router_bias is not None and router_bias.shape != (r.E,):
-        raise ValueError(f"router_bias: shape {tuple(router_bias.shape)}, expected ({r.E},)")
+    if router_bias is not None and router_bias.shape != (E,):
+        raise ValueError(f"router_bias: shape {tuple(router_bias.shape)}, expected ({E},)")
     bias = _vector("bias", bias, dev)
     expert_scale = _vector("expert_scale", expert_scale, dev)
     if spec.hash_routing:
         input_ids = _vector("input_ids", input_ids, dev)
         hash_table = _vector("hash_table", hash_table, dev)
+    predict = None
+    if next_weight_EH is not None:
+        if next_spec is None or next_layer is None:
+            raise ValueError("next_spec/next_layer: required with next_weight_EH")
+        if F != next_spec.num_slots:
+            raise ValueError(f"next_weight_EH: {F} rows, expected next_spec.num_slots={next_spec.num_slots}")
+        W, apply_groups, hash_lookup = _predict_plan(next_spec, width, next_input_ids, next_hash_table)
+        _validate_predict(torch.empty(T, F, dtype=torch.float32, device="meta"), next_spec, next_bias,
+                          next_input_ids, next_hash_table, next_layer)
+        next_bias = _vector("next_bias", next_bias, dev)
+        next_router_bias = _vector("next_router_bias", next_router_bias, dev)
+        if hash_lookup:
+            next_input_ids = _vector("next_input_ids", next_input_ids, dev)
+            next_hash_table = _vector("next_hash_table", next_hash_table, dev)
+        predict = (W, apply_groups, hash_lookup)
+
+    def plan_predict(rows: int) -> _SelectPlan | None:
+        if predict is None:
+            return None
+        return _plan_predict(dev, rows, next_spec, *predict, next_layer, bias=next_bias,
+                             router_bias=next_router_bias, input_ids=next_input_ids, hash_table=next_hash_table)
+
+    def plan_routing(logits_out: torch.Tensor | None) -> _SelectPlan:
+        return _plan_select(
+            dev, T=T, spec=spec, K=spec.top_k, apply_groups=True, mask_zero=False, hash_lookup=spec.hash_routing,
+            table_width=spec.top_k, weights=True, keys_layer=None, router_bias=router_bias, logits_out=logits_out,
+            bias=bias, expert_scale=expert_scale, input_ids=input_ids, hash_table=hash_table, status_layer=layer,
+        )
+
+    if fused is None:
+        fused = 1 <= T <= FUSED_MAX_T
+    tickets = None
+    if fused and T:
+        n_groups = _cdiv(T, g.cfg.block_m)
+        if n_groups > _TICKET_SLOTS:
+            raise ValueError(
+                f"x_TH: T={T} is {n_groups} row groups of {g.cfg.block_m}, the fused step counts at most "
+                f"{_TICKET_SLOTS} (use fused=None or False)"
+            )
+        tickets = _tickets(dev)
+    if tickets is not None:
+        logits = torch.empty(T, E, dtype=torch.float32, device=dev)
+        a = plan_routing(logits)
+        b = plan_predict(T)
+        _launch_fused(x_TH, weight_EH, next_weight_EH, g, tickets, a, b)
+        routing = CudaRoutingResult(ids_TK=a.ids_TK, weights_TK=a.weights_TK, status=a.status)
+        return RouterStep(logits_TS=logits, routing=routing, prediction=None if b is None else _prediction(b),
+                          fused=True)
+
+    r = _launch_gemm(x_TH, weight_EH, next_weight_EH, config, want_final=False)
     logits = r.out_TE
     if r.part_STC is not None:
         src, stride_row, stride_split, split = r.part_STC, r.E + r.F, T * (r.E + r.F), r.split
@@ -652,28 +867,13 @@ def router_step_cuda(
         if router_bias is not None:  # a fresh buffer: the weights re-read src without the bias
             logits = torch.empty_like(logits)
             logits_out = logits
-    ids, w, _, status = _launch_select(
-        src, T=T, spec=spec, stride_row=stride_row, stride_split=stride_split, col0=0, split=split,
-        K=spec.top_k, apply_groups=True, mask_zero=False, hash_lookup=spec.hash_routing, table_width=spec.top_k,
-        weights=True, keys_layer=None, router_bias=router_bias, logits_out=logits_out, bias=bias, expert_scale=expert_scale,
-        input_ids=input_ids, hash_table=hash_table, status_layer=layer,
-    )
-    routing = CudaRoutingResult(ids_TK=ids, weights_TK=w, status=status)
+    a = plan_routing(logits_out)
+    _launch_select(src, a, T=T, stride_row=stride_row, stride_split=stride_split, col0=0, split=split)
+    routing = CudaRoutingResult(ids_TK=a.ids_TK, weights_TK=a.weights_TK, status=a.status)
     prediction = None
-    if next_weight_EH is not None:
-        if next_spec is None or next_layer is None:
-            raise ValueError("next_spec/next_layer: required with next_weight_EH")
-        if r.F != next_spec.num_slots:
-            raise ValueError(f"next_weight_EH: {r.F} rows, expected next_spec.num_slots={next_spec.num_slots}")
-        W, apply_groups, hash_lookup = _predict_plan(next_spec, width, next_input_ids, next_hash_table)
-        _validate_predict(r.out_TF, next_spec, next_bias, next_input_ids, next_hash_table, next_layer)
-        next_bias = _vector("next_bias", next_bias, dev)
-        next_router_bias = _vector("next_router_bias", next_router_bias, dev)
-        if hash_lookup:
-            next_input_ids = _vector("next_input_ids", next_input_ids, dev)
-            next_hash_table = _vector("next_hash_table", next_hash_table, dev)
+    if predict is not None:
         prediction = _predict_from(
-            r, r.E, T, next_spec, W, apply_groups, hash_lookup, next_layer, bias=next_bias,
+            r, r.E, T, next_spec, *predict, next_layer, bias=next_bias,
             router_bias=next_router_bias, input_ids=next_input_ids, hash_table=next_hash_table,
         )
-    return RouterStep(logits_TS=logits, routing=routing, prediction=prediction)
+    return RouterStep(logits_TS=logits, routing=routing, prediction=prediction, fused=False)

@@ -10,7 +10,8 @@ benchmarks/tune_experts.py:
     {"device": "NVIDIA_H200", "shape": {...},
      "configs": {"1": <MoETileConfig>, "2": ..., "8192": ...},
      "batch_invariant": <MoETileConfig>,           # optional: one config for every T
-     "batch_invariant_by_T": {"1": ..., ...}}      # optional, see below
+     "batch_invariant_by_T": {"1": ..., ...},      # optional, see below
+     "decode": {"1": <DecodeConfig>, ...}}          # optional: tiles of the two-launch decode path
 
 Batch invariance needs every token's sums done in one order whatever the batch: no split-K
 and one K-step (BK) per GEMM. "batch_invariant" is one whole configuration for every T (always
@@ -18,6 +19,12 @@ safe). "batch_invariant_by_T" lets BM, BN and warps follow T while BK and split_
 a row's dot products then run the same K-steps in the same order, which the tuner checks bit
 for bit on the device before writing it (an MMA instruction whose internal sum order changed
 with the tile shape would break it; the tuner then keeps the single configuration).
+
+The decode path (moeflow/kernels/moe_decode.py, small T*K, default mode only) has its own
+tiles: gate_up one per (pair, column tile) program, down one per (token, H tile) program.
+`decode_lookup` reads the "decode" entries, else takes gate_up from the aligned path's entry
+for that T (the same dot shape: BM=16 row tiles over one expert) and down from
+`default_decode_down`.
 
 A lookup takes the entry whose T is nearest in log scale (ties: the smaller T). Without a
 file, `default_config` picks from shape heuristics. This module is pure Python (no triton,
@@ -108,6 +115,32 @@ class ShapeKey:
         )
 
 
+@dataclass(frozen=True, kw_only=True)
+class DecodeConfig:
+    """Tiles of the decode path. gate_up.block_n counts columns of I; down.block_n columns of H.
+    split_k must be 1 in both (the down kernel sums every slot and I tile itself, in order)."""
+
+    gate_up: GemmTile
+    down: GemmTile
+
+    def __post_init__(self) -> None:
+        for name in ("gate_up", "down"):
+            t = getattr(self, name)
+            if not isinstance(t, GemmTile):
+                raise TypeError(f"DecodeConfig.{name}: expected a GemmTile, got {type(t).__name__}")
+            if t.split_k != 1:
+                raise ValueError(f"DecodeConfig.{name}.split_k={t.split_k}: expected 1 (no split on the decode path)")
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> DecodeConfig:
+        if not isinstance(d, dict) or set(d) != {"gate_up", "down"}:
+            raise ValueError(f"DecodeConfig: expected keys gate_up, down; got {d!r}")
+        return cls(gate_up=GemmTile(**d["gate_up"]), down=GemmTile(**d["down"]))
+
+
 def device_slug(name: str) -> str:
     """'NVIDIA H200' -> 'NVIDIA_H200' (file-name safe)."""
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
@@ -138,8 +171,9 @@ def _load(path: str) -> dict | None:
             raise ValueError(f"{path}: batch_invariant_by_T[{t}].down.split_k={c.down.split_k}, expected 1")
     if len({(c.gate_up.block_k, c.down.block_k) for c in by_t.values()}) > 1:
         raise ValueError(f"{path}: batch_invariant_by_T mixes K-steps (block_k); expected one per GEMM")
+    decode = {int(k): DecodeConfig.from_dict(v) for k, v in data.get("decode", {}).items()}
     return {"configs": configs, "batch_invariant": MoETileConfig.from_dict(bi) if bi else None,
-            "batch_invariant_by_T": by_t}
+            "batch_invariant_by_T": by_t, "decode": decode}
 
 
 def load_table(key: ShapeKey, device: str, directory: Path | None = None) -> dict | None:
@@ -149,7 +183,8 @@ def load_table(key: ShapeKey, device: str, directory: Path | None = None) -> dic
 
 def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
                 batch_invariant: MoETileConfig | None, directory: Path | None = None,
-                batch_invariant_by_T: dict[int, MoETileConfig] | None = None) -> Path:
+                batch_invariant_by_T: dict[int, MoETileConfig] | None = None,
+                decode: dict[int, DecodeConfig] | None = None) -> Path:
     path = (directory or TUNING_DIR) / key.file_name(device)
     data = {
         "device": device_slug(device),
@@ -160,6 +195,8 @@ def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
         data["batch_invariant"] = batch_invariant.to_dict()
     if batch_invariant_by_T:
         data["batch_invariant_by_T"] = {str(m): c.to_dict() for m, c in sorted(batch_invariant_by_T.items())}
+    if decode:
+        data["decode"] = {str(m): c.to_dict() for m, c in sorted(decode.items())}
     path.write_text(json.dumps(data, indent=1) + "\n")
     _load.cache_clear()
     return path
@@ -231,3 +268,31 @@ def lookup(key: ShapeKey, num_tokens: int, device: str, *, batch_invariant: bool
     if table is not None and table["configs"]:
         return table["configs"][nearest_key(table["configs"], num_tokens)]
     return default_config(key, num_tokens, sm_count)
+
+
+def default_decode_down(key: ShapeKey, num_tokens: int, sm_count: int = 132) -> GemmTile:
+    """Down tile of the decode path: grid (T, cdiv(H, BN)), each program streams K * I * BN weights.
+
+    The widest BN that still gives >= 2 programs per SM (the weight stream needs every SM in
+    flight; at T = 1 that is narrow tiles), never below 16 (the smallest dot N). BK keeps one
+    weight tile near 8-16 KB so a few pipeline stages keep enough bytes in flight per SM.
+    """
+    bn = 16
+    for cand in (128, 64, 32):
+        if num_tokens * math.ceil(key.hidden_size / cand) >= 2 * sm_count:
+            bn = cand
+            break
+    if key.dtype == "float32":  # the interpreter/CPU path: keep shared memory small
+        return GemmTile(block_n=min(bn, 32), block_k=32, num_warps=4, num_stages=1)
+    bk = 256 if bn <= 32 else 128
+    return GemmTile(block_n=bn, block_k=bk, num_warps=4, num_stages=3 if bk == 256 else 4)
+
+
+def decode_lookup(key: ShapeKey, num_tokens: int, device: str, *, sm_count: int = 132,
+                  directory: Path | None = None) -> DecodeConfig:
+    """Tiles of the decode path for num_tokens tokens (a tuned "decode" entry first, see the module doc)."""
+    table = load_table(key, device, directory)
+    if table is not None and table["decode"]:
+        return table["decode"][nearest_key(table["decode"], num_tokens)]
+    gu = lookup(key, num_tokens, device, sm_count=sm_count, directory=directory).gate_up
+    return DecodeConfig(gate_up=gu, down=default_decode_down(key, num_tokens, sm_count))
