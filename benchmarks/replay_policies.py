@@ -11,6 +11,8 @@ Traces (recorded here, seconds on a CPU):
                     e32k4 (L=8, E=32, K=4), deepseek-like (L=4, E=256, K=8; no groups).
 For each trace and cache size every policy is replayed without prefetch and with prefetch W=K
 (`moeflow.offload.trace.replay`: the live cache's SlotTable), plus Belady (the floor on copies).
+Prefetch rows also give prefetch_bytes (what prefetch copied) and prefetch_saved_bytes (the demand
+copies it saved against the same policy without prefetch).
 
     python benchmarks/replay_policies.py --out benchmarks/results/replay_policies.json
 """
@@ -84,14 +86,21 @@ def main(argv: list[str] | None = None) -> int:
             lru = replay(trace, S, "lru").bytes_copied
             bel = replay(trace, S, "belady")
             for policy in (*POLICIES, "belady"):
+                no_pf = None
                 for pf in ((0,) if policy == "belady" else (0, K)):
                     r = bel if policy == "belady" else replay(trace, S, policy, pf)
+                    no_pf = r if pf == 0 else no_pf
                     d = dict(r.as_dict(), trace=name, cache_frac=frac, bytes_per_token=r.bytes_copied / r.tokens,
                              bytes_vs_lru=r.bytes_copied / lru, bytes_vs_belady=r.bytes_copied / bel.bytes_copied)
+                    if pf:
+                        # what prefetch copied against the demand copies it saved (the same policy, no prefetch)
+                        d.update(prefetch_bytes=r.prefetch_issued * trace.expert_bytes,
+                                 prefetch_saved_bytes=(no_pf.misses - r.misses) * trace.expert_bytes)
                     rows.append(d)
+                    extra = (f" pf_copied {r.prefetch_issued} pf_saved {no_pf.misses - r.misses}" if pf else "")
                     print(f"{name:<15}{frac:>5.2f}{S:>5} {policy:<14}pf={pf:<2} miss/tok {r.misses_per_token:6.3f} "
                           f"KB/tok {d['bytes_per_token'] / 1e3:9.1f} vs_lru {d['bytes_vs_lru']:.3f} "
-                          f"vs_belady {d['bytes_vs_belady']:.3f}", flush=True)
+                          f"vs_belady {d['bytes_vs_belady']:.3f}{extra}", flush=True)
     meta = env_info()
     meta["command"] = "python " + " ".join(["benchmarks/replay_policies.py", *(argv or sys.argv[1:])])
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

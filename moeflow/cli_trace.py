@@ -1,7 +1,7 @@
 """`moeflow trace record | replay | stats | plot`: the command line over `moeflow.offload.trace`.
 
     moeflow trace record MODEL_DIR --out t.jsonl [--text FILE | --prompt TEXT] [--tokens N] [--ctx C] [--width W]
-    moeflow trace replay t.jsonl --slots 8 16 --policy lru random_oldest predictive adaptive belady --prefetch 0 2
+    moeflow trace replay t.jsonl --slots 8 16 [--policy lru ... belady] [--prefetch 0 2]   (default: every policy)
     moeflow trace stats t.jsonl
     moeflow trace plot t.jsonl --slots 12 [--out DIR]
 
@@ -47,19 +47,23 @@ def default_text(n_bytes: int) -> tuple[bytes, list[str]]:
     return data[:n_bytes], used
 
 
-def _format_table(rows: Iterable, lru_bytes: dict[int, int] | None = None) -> str:
-    """One line per replay: misses and bytes side by side; `vs_lru` = bytes / LRU's bytes (no prefetch)
-    at the same slots (lru_bytes: slots -> bytes; '-' when unknown)."""
+def _format_table(rows: Iterable, lru_bytes: dict[int, int] | None = None,
+                  belady_bytes: dict[int, int] | None = None) -> str:
+    """One line per replay: misses and bytes side by side; `vs_lru` / `vs_bel` = bytes / LRU's (no
+    prefetch) / Belady's bytes at the same slots (lru_bytes, belady_bytes: slots -> bytes; '-' when unknown)."""
     head = (f"{'policy':<14}{'slots':>6}{'pf':>4}{'hits':>9}{'misses':>9}{'hit_rate':>9}{'miss/tok':>9}"
-            f"{'pf_iss':>8}{'pf_used':>8}{'pf_wast':>8}{'MB_copied':>11}{'KB/tok':>10}{'vs_lru':>8}")
+            f"{'pf_iss':>8}{'pf_used':>8}{'pf_wast':>8}{'MB_copied':>11}{'KB/tok':>10}{'vs_lru':>8}{'vs_bel':>8}")
     lines = [head, "-" * len(head)]
+
+    def ratio(num: int, base: int | None) -> str:
+        return f"{num / base:>8.3f}" if base else f"{'-':>8}"
+
     for r in rows:
-        base = (lru_bytes or {}).get(r.slots)
-        ratio = f"{r.bytes_copied / base:>8.3f}" if base else f"{'-':>8}"
         per_tok = r.bytes_copied / r.tokens / 1e3 if r.tokens else 0.0
         lines.append(f"{r.policy:<14}{r.slots:>6}{r.prefetch:>4}{r.hits:>9}{r.misses:>9}{r.hit_rate:>9.3f}"
                      f"{r.misses_per_token:>9.3f}{r.prefetch_issued:>8}{r.prefetch_used:>8}{r.prefetch_wasted:>8}"
-                     f"{r.bytes_copied / 1e6:>11.2f}{per_tok:>10.1f}{ratio}")
+                     f"{r.bytes_copied / 1e6:>11.2f}{per_tok:>10.1f}{ratio(r.bytes_copied, (lru_bytes or {}).get(r.slots))}"
+                     f"{ratio(r.bytes_copied, (belady_bytes or {}).get(r.slots))}")
     return "\n".join(lines)
 
 
@@ -82,19 +86,24 @@ def _cmd_replay(args: argparse.Namespace) -> int:
                 if policy == "belady" and pf:
                     continue
                 rows.append(replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width))
-    # the reference of the bytes ratio: plain LRU at each cache size (replayed when not asked for)
+    # the references of the bytes ratios: plain LRU and Belady (the floor) at each cache size,
+    # replayed when not asked for
     lru_bytes = {r.slots: r.bytes_copied for r in rows if r.policy == "lru" and r.prefetch == 0}
+    bel_bytes = {r.slots: r.bytes_copied for r in rows if r.policy == "belady"}
     for slots in args.slots:
         if slots not in lru_bytes:
             lru_bytes[slots] = replay(trace, slots, "lru", 0).bytes_copied
+        if slots not in bel_bytes:
+            bel_bytes[slots] = replay(trace, slots, "belady", 0).bytes_copied
     order = "prefill passes as recorded" if args.prefill else "decode order, one pass per token"
-    print(f"{args.path}: {rows[0].tokens if rows else 0} tokens, {order}; vs_lru = bytes copied / LRU's "
-          f"(no prefetch) at the same slots")
-    print(_format_table(rows, lru_bytes))
+    print(f"{args.path}: {rows[0].tokens if rows else 0} tokens, {order}; vs_lru / vs_bel = bytes copied / "
+          f"LRU's (no prefetch) / Belady's at the same slots")
+    print(_format_table(rows, lru_bytes, bel_bytes))
     if args.json:
         with open(args.json, "w") as f:
             json.dump([dict(r.as_dict(), bytes_per_token=r.bytes_copied / r.tokens if r.tokens else 0.0,
-                            bytes_vs_lru=r.bytes_copied / lru_bytes[r.slots] if lru_bytes[r.slots] else None)
+                            bytes_vs_lru=r.bytes_copied / lru_bytes[r.slots] if lru_bytes[r.slots] else None,
+                            bytes_vs_belady=r.bytes_copied / bel_bytes[r.slots] if bel_bytes[r.slots] else None)
                        for r in rows], f, indent=1)
     return 0
 
@@ -199,7 +208,8 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     r = acts.add_parser("replay", help="simulate cache sizes and policies on a trace")
     r.add_argument("path", help="a trace file written by `moeflow trace record` (.jsonl or .jsonl.gz)")
     r.add_argument("--slots", type=int, nargs="+", required=True)
-    r.add_argument("--policy", nargs="+", default=["lru"], choices=REPLAY_POLICIES)
+    r.add_argument("--policy", nargs="+", default=list(REPLAY_POLICIES), choices=REPLAY_POLICIES,
+                   help="policies to replay (default: all, Belady included)")
     r.add_argument("--prefetch", type=int, nargs="+", default=[0], help="prefetch widths (0: off)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--predict-width", type=int, default=None,

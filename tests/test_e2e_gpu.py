@@ -213,7 +213,13 @@ def _static_cache(model, max_len: int):
 
 @pytest.mark.parametrize("batch", [1])
 def test_decode_step_captures_in_a_cuda_graph(batch, hf_quiet):
-    """Transformers' static cache + torch.cuda.graphs: replayed decode gives the eager tokens."""
+    """Transformers' static cache + torch.cuda.graphs: replayed decode gives the eager tokens.
+
+    Batch 1 only. At batch 16 the same manual capture differs from eager for the *unpatched*
+    transformers model too (H200, transformers 5.17, 2026-12-03: greedy tokens differ from the
+    second replayed step on, logits max diff 0.43-0.54, patched and unpatched alike; an explicit
+    static [B, max_len] attention mask did not change it), so it is this recipe, not moeflow.
+    """
     import moeflow
     from moeflow import hf as mhf
 

@@ -249,6 +249,8 @@ def test_no_key_is_published_before_its_copy_completes():
 
 
 def test_pool_runs_with_the_resident_layers_tiles():
+    from moeflow.config import ExpertWeights
+    from moeflow.experts.base import tiled_as, tiling_experts
     from moeflow.experts.triton import TritonExperts
     from moeflow.tuning import GemmTile, MoETileConfig
 
@@ -256,21 +258,23 @@ def test_pool_runs_with_the_resident_layers_tiles():
     g = rt.graph
     impl = TritonExperts(allow_cpu=True)
     K = off[0].config.top_k
-    fixed = g._pool_impl(impl, 0, K, 1)
-    resident_w = g._shape_weights(E)
-    assert resident_w.num_experts == E and g.weights.num_experts == g.P != E
-    assert fixed is not impl and fixed.tile_config == impl.tile_config_for(resident_w, K, 1)
-    assert g._pool_impl(impl, 0, K, 1) is fixed, "one copy per (impl, tiles)"
-    if hasattr(impl, "uses_decode_path"):  # the decode path's choice follows E too: the resident one is kept
-        for T in (1, 2, 5, 8):
-            run = g._pool_impl(impl, 0, K, T, tokens=True)
-            assert run.uses_decode_path(T, K, g.P) == impl.uses_decode_path(T, K, E), f"T={T}"
-            if impl.uses_decode_path(T, K, E):
-                assert run.decode_config_for(g.weights, K, T) == impl.decode_config_for(resident_w, K, T)
-    forced = TritonExperts(tile_config=MoETileConfig(
-        block_m=16, gate_up=GemmTile(block_n=32, block_k=32, num_warps=4, num_stages=1),
-        down=GemmTile(block_n=32, block_k=32, num_warps=4, num_stages=1)))
-    assert g._pool_impl(forced, 0, K, 1) is forced, "a forced tile config is kept"
+    p = g.weights
+    # weights shaped like the resident layer's (E experts): what its tiles are keyed by
+    resident_w = ExpertWeights(**{n: getattr(p, n)[:1].expand(E, *getattr(p, n).shape[1:]) for n in p.TENSOR_FIELDS
+                                  if getattr(p, n) is not None}, layout=p.layout, interleaved=p.interleaved)
+    run = g._pool_impl(impl, 0, K, 1)
+    assert p.num_experts == g.P != E and tiling_experts(run, p) == E
+    assert run is not impl and run is tiled_as(impl, E), "one cached copy per (impl, E)"
+    for T in (1, 2, 5, 8, 64):
+        assert run.tile_config_for(p, K, T) == impl.tile_config_for(resident_w, K, T), f"T={T}"
+        assert run.uses_decode_path(T, K, tiling_experts(run, p)) == impl.uses_decode_path(T, K, E), f"T={T}"
+    forced_cfg = MoETileConfig(block_m=16, gate_up=GemmTile(block_n=32, block_k=32, num_warps=4, num_stages=1),
+                               down=GemmTile(block_n=32, block_k=32, num_warps=4, num_stages=1))
+    forced = TritonExperts(tile_config=forced_cfg)
+    assert g._pool_impl(forced, 0, K, 1).tile_config_for(p, K, 1) == forced_cfg, "a forced tile config is kept"
+    assert tiled_as("not an impl", E) == "not an impl", "impls without tiles pass through"
+    with pytest.raises(ValueError, match="num_experts=0"):
+        tiled_as(impl, 0)
 
 
 # ----------------------------------------------------------------------------- interpreter
@@ -540,7 +544,10 @@ def test_gpu_decode_step_captures_in_a_cuda_graph_and_refills_between_replays(fa
         for i in range(N):
             static_pos.fill_(P + i)
             static_tok.copy_(toks[-1])
-            if graph:
+            if graph and model is res:
+                g.replay()
+                nxt = out_tok.clone()
+            elif graph:
                 before = (rt.graph.stats.device_hits, rt.graph.stats.staged)
                 rt.refill()  # outside the graph, on the replay stream: lagged policy + refill copies
                 g.replay()
@@ -556,8 +563,13 @@ def test_gpu_decode_step_captures_in_a_cuda_graph_and_refills_between_replays(fa
     with torch.no_grad():
         resident, _ = run(res, False)
         eager, _ = run(off, False)
+        resident_replayed, _ = run(res, True)
         replayed, rates = run(off, True)
     assert torch.equal(eager, resident), f"{family}: eager offloaded {eager.tolist()} != resident {resident.tolist()}"
+    # the recipe itself first: the resident model's replay must equal its eager run
+    assert torch.equal(resident_replayed, resident), (
+        f"{family}: the RESIDENT model's graph replay {resident_replayed.tolist()} != its eager run "
+        f"{resident.tolist()} (the capture recipe, not the offload path)")
     assert torch.equal(replayed, eager), f"{family}: graph replay {replayed.tolist()} != eager {eager.tolist()}"
     torch.cuda.synchronize()
     rt.refill()

@@ -170,3 +170,69 @@ def test_replay_of_adaptive_matches_the_live_cache(prefetch):
     s = rt.stats()
     assert (r.hits, r.misses, r.prefetch_issued, r.prefetch_used, r.prefetch_wasted, r.bytes_copied) == \
            (s.hits, s.misses, s.prefetch_issued, s.prefetch_used, s.prefetch_wasted, s.bytes_copied)
+
+
+def _lru_friendly_trace(tokens: int = 400, seed: int = 3) -> Trace:
+    """L=4, E=8, K=2, S=8 (one token's experts): each layer reuses one of its last picks with
+    probability 0.6, else picks at random, the regime where recency is all there is to know."""
+    rng = random.Random(seed)
+    t = Trace(num_layers=4, num_experts=[8] * 4, top_k=[2] * 4, pred_width=0, expert_bytes=10)
+    prev = [[0, 1] for _ in range(4)]
+    for p in range(tokens):
+        for layer in range(4):
+            keep = prev[layer][0] if rng.random() < 0.6 else rng.randrange(8)
+            other = rng.choice([e for e in range(8) if e != keep])
+            prev[layer] = [keep, other]
+            t.steps.append(Step(p, layer, [[keep, other]]))
+    return t
+
+
+def test_adaptive_duel_never_loses_much_to_lru():
+    """The ghost duel follows LRU where hit density loses to it (within 2% of LRU's bytes), and the
+    hit-density ghost alone is what loses there (so the duel is what earns it)."""
+    trace = _lru_friendly_trace()
+    lru = replay(trace, 8, "lru").bytes_copied
+    ad = replay(trace, 8, "adaptive").bytes_copied
+    assert ad <= 1.02 * lru, (ad, lru)
+    pol = Adaptive(8)
+    table = SlotTable(8, pol, 10)
+    for s in trace.steps:
+        table.begin_step()
+        table.acquire(sorted({(s.layer, e) for e in s.ids[0]}))
+    assert sum(pol.duel_picks) == len(trace.steps)
+    assert table.stats.bytes_copied == ad  # the replay is this table
+
+
+def test_adaptive_prefers_a_key_needed_sooner_at_equal_hit_chance():
+    """Hit density: of two keys with the same use chance, the one whose layer comes next is worth more."""
+    pol = Adaptive(8, duel=False)
+    table = SlotTable(8, pol, 1)
+    for layer in range(4):  # layers 0..3 once, expert 0 each: equal ages and buckets
+        table.begin_step()
+        table.acquire([(layer, 0)])
+    # the current layer is 3: layer 0 comes next (d = 1), layer 2 last (d = 3)
+    assert pol.use_probability((0, 0)) == pytest.approx(pol.use_probability((2, 0)), rel=0.2)
+    assert pol.value((0, 0)) > pol.value((2, 0))
+
+
+def test_adaptive_default_prefetch_gate_skips_unreliable_guesses():
+    """A predictor that is always wrong: the default gate (rank precision >= 0.95) stops copying
+    guesses after a few, so prefetch copies (almost) nothing it does not save."""
+    t = Trace(num_layers=2, num_experts=[8, 8], top_k=[1, 1], pred_width=1, expert_bytes=1)
+    rng = random.Random(0)
+    for p in range(300):
+        e1 = rng.randrange(8)
+        t.steps.append(Step(p, 0, [[rng.randrange(8)]], [[(e1 + 1) % 8]]))  # predicts the wrong expert
+        t.steps.append(Step(p, 1, [[e1]]))
+    r = replay(t, 4, "adaptive", 1)
+    assert r.prefetch_used == 0 and r.prefetch_issued <= 3, r.as_dict()
+
+
+def test_adaptive_argument_errors():
+    for kw, msg in ((dict(horizon_scale=0.0), "horizon_scale=0.0: expected a float > 0"),
+                    (dict(max_visits=0), "max_visits=0: expected an int >= 1"),
+                    (dict(duel_rate=0.0), r"duel_rate=0.0: expected a float in \(0, 1\]")):
+        with pytest.raises(ValueError, match=msg):
+            Adaptive(4, **kw)
+    with pytest.raises(ValueError, match="num_slots=0: expected an int >= 1"):
+        Adaptive(0)

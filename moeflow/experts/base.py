@@ -20,6 +20,7 @@ and optionally
 
 from __future__ import annotations
 
+import copy
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -101,3 +102,32 @@ def gate_up_as_KN(w: ExpertWeights) -> torch.Tensor:
 def down_as_KN(w: ExpertWeights) -> torch.Tensor:
     """down as [E, I, H] (a view: transposed for layout "linear")."""
     return w.down.transpose(1, 2) if w.layout == "linear" else w.down
+
+
+def tiling_experts(impl, w: ExpertWeights) -> int:
+    """The expert count an impl picks its tiles (and kernel path) by: its `tiling_experts` if set, else w's E."""
+    E = getattr(impl, "tiling_experts", None)
+    return w.num_experts if E is None else E
+
+
+def tiled_as(impl, num_experts: int):
+    """`impl`, or a cached copy that picks tiles and paths as for a layer of `num_experts` experts.
+
+    Why: a tiled impl (triton, triton_quant) chooses its tile configuration by (E, H, I, K, T)
+    and the bits of a row depend on that configuration. An offload cache hands the impl its
+    slot pool (E = number of slots), so without this the offloaded layer could run other tiles
+    than the resident one and lose bit identity. Impls without tiles are returned unchanged.
+    """
+    if isinstance(num_experts, bool) or not isinstance(num_experts, int) or num_experts < 1:
+        raise ValueError(f"tiled_as: num_experts={num_experts!r}, expected an int >= 1")
+    if not hasattr(impl, "tiling_experts") or impl.tiling_experts == num_experts:
+        return impl
+    cache = impl.__dict__.setdefault("_tiled_copies", {})
+    c = cache.get(num_experts)
+    if c is None:
+        c = copy.copy(impl)
+        c.__dict__.pop("_tiled_copies", None)
+        c.tiling_experts = num_experts
+        c._cfg_cache = {}
+        cache[num_experts] = c
+    return c

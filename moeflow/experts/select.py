@@ -133,8 +133,13 @@ def _grouped_for(config: MoEConfig, T: int) -> GroupedExperts:
 
 def _quant_ok(impl, quant) -> tuple[bool, str]:
     formats = tuple(getattr(impl, "quant_formats", ()))
-    if quant is None or quant.format in formats:
+    if quant is None:
         return True, ""
+    if quant.format in formats:
+        # an impl may refuse a spec of a format it runs (e.g. an fp8 block size it has no tile for)
+        check = getattr(impl, "supports_quant", None)
+        ok, why = check(quant) if check is not None else (True, "")
+        return (True, "") if ok else (False, why)
     return False, (f"it cannot run quantized weights of format {quant.format!r} (its quant_formats: {formats}); "
                    f"'reference' runs them on the dequantized weights")
 

@@ -50,7 +50,7 @@ import torch
 from .._triton import triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import DecodeConfig, MoETileConfig, ShapeKey, decode_lookup, lookup
-from .base import check_pairs
+from .base import check_pairs, tiling_experts
 
 _ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
 _DTYPE_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -128,6 +128,9 @@ class TritonExperts:
         if allow_cpu:
             self.device_types = ("cuda", "cpu")
         self._cfg_cache: dict[tuple, MoETileConfig] = {}
+        # set on copies made by experts.base.tiled_as: tiles (and the path) chosen as for a layer
+        # of this many experts, whatever E the weights handed in have (an offload slot pool)
+        self.tiling_experts: int | None = None
 
     def __repr__(self) -> str:
         return f"TritonExperts(batch_invariant={self.batch_invariant})"
@@ -149,11 +152,11 @@ class TritonExperts:
         if self.tile_config is not None:
             return self.tile_config
         dev = w.device
-        ck = (w.num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
+        ck = (tiling_experts(self, w), w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
               w.dtype, str(dev), num_tokens, self.batch_invariant)
         cfg = self._cfg_cache.get(ck)
         if cfg is None:
-            name, sms, key = self._lookup_facts(w, top_k)
+            name, sms, key = self._lookup_facts(w, top_k, tiling_experts(self, w))
             cfg = lookup(key, max(1, num_tokens), name, batch_invariant=self.batch_invariant, sm_count=sms)
             self._cfg_cache[ck] = cfg
         return cfg
@@ -174,23 +177,23 @@ class TritonExperts:
         if self.decode_config is not None:
             return self.decode_config
         dev = w.device
-        ck = ("decode", w.num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
+        ck = ("decode", tiling_experts(self, w), w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
               w.dtype, str(dev), num_tokens)
         cfg = self._cfg_cache.get(ck)
         if cfg is None:
-            name, sms, key = self._lookup_facts(w, top_k)
+            name, sms, key = self._lookup_facts(w, top_k, tiling_experts(self, w))
             cfg = decode_lookup(key, max(1, num_tokens), name, sm_count=sms)
             self._cfg_cache[ck] = cfg
         return cfg
 
     @staticmethod
-    def _lookup_facts(w: ExpertWeights, top_k: int) -> tuple[str, int, ShapeKey]:
+    def _lookup_facts(w: ExpertWeights, top_k: int, num_experts: int) -> tuple[str, int, ShapeKey]:
         dev = w.device
         if dev.type == "cuda":
             name, sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())
         else:
             name, sms = "cpu", 132
-        key = ShapeKey(num_experts=w.num_experts, hidden_size=w.hidden_size,
+        key = ShapeKey(num_experts=num_experts, hidden_size=w.hidden_size,
                        intermediate_size=w.intermediate_size, top_k=top_k, layout=w.layout,
                        interleaved=w.interleaved, dtype=_DTYPE_NAMES[w.dtype])
         return name, sms, key
@@ -234,7 +237,7 @@ class TritonExperts:
             ids_N = ids_N.to(torch.int32)
         wts_N = weights_TK.reshape(-1).contiguous()
         on_input = bool(getattr(config.router, "weight_on_input", False))
-        if self.uses_decode_path(T, K, w.num_experts):
+        if self.uses_decode_path(T, K, tiling_experts(self, w)):
             dcfg = self.decode_config_for(w, K, T)
             return _run_decode(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, dcfg, weight_on_input=on_input)
         cfg = self.tile_config_for(w, K, T)

@@ -58,6 +58,7 @@ import torch
 from .._triton import triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import GemmTile, MoETileConfig
+from .base import tiling_experts
 
 _ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
 _FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
@@ -216,6 +217,7 @@ class TritonQuantExperts:
         if allow_cpu:
             self.device_types = ("cuda", "cpu")
         self._cfg_cache: dict[tuple, MoETileConfig] = {}
+        self.tiling_experts: int | None = None  # see TritonExperts.__init__ and experts.base.tiled_as
 
     def __repr__(self) -> str:
         return f"TritonQuantExperts(batch_invariant={self.batch_invariant})"
@@ -262,13 +264,14 @@ class TritonQuantExperts:
             check_tile_config(self.tile_config, spec.format, group)
             return self.tile_config
         dev = w.device
-        ck = (spec.format, group, w.num_experts, w.hidden_size, w.intermediate_size, top_k, str(dev),
+        E = tiling_experts(self, w)
+        ck = (spec.format, group, E, w.hidden_size, w.intermediate_size, top_k, str(dev),
               num_tokens, self.batch_invariant)
         cfg = self._cfg_cache.get(ck)
         if cfg is None:
             sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) \
                 if dev.type == "cuda" else 132
-            cfg = quant_tile_config(spec.format, group, w.num_experts, w.hidden_size, w.intermediate_size, top_k,
+            cfg = quant_tile_config(spec.format, group, E, w.hidden_size, w.intermediate_size, top_k,
                                     max(1, num_tokens), batch_invariant=self.batch_invariant, sm_count=sms,
                                     small=dev.type == "cpu")
             self._cfg_cache[ck] = cfg

@@ -51,7 +51,6 @@ Refused inside a CUDA-graph capture (ValueError naming sync_free_tokens).
 
 from __future__ import annotations
 
-import copy
 from collections import deque
 from dataclasses import asdict, dataclass
 
@@ -59,6 +58,7 @@ import torch
 
 from .._triton import triton_available
 from ..config import ExpertWeights
+from ..experts.base import tiled_as
 from ..experts.source import scaled_rows
 from ..types import TokenBatch
 from .cache import CudaCopyEngine, ExpertCache, HostCopyEngine, SlotTable
@@ -248,8 +248,6 @@ class SyncFreeOffload:
             self.programs = sms * COPY_PROGRAMS_PER_SM
         else:
             self.programs = 2
-        self._fixed: dict[tuple, tuple] = {}
-        self._shape_w: dict[int, ExpertWeights] = {}
         self.stats = GraphStats()
         self.journal: list | None = None
 
@@ -313,46 +311,10 @@ class SyncFreeOffload:
         stage_torch(experts, self.store.packed[pos], self.pool, self.Z)
         return remap
 
-    def _shape_weights(self, E: int) -> ExpertWeights:
-        """ExpertWeights with the resident layer's E (zero-stride views of one pool row): what tiles are keyed by."""
-        w = self._shape_w.get(E)
-        if w is None:
-            p = self.weights
-            views = {n: getattr(p, n)[:1].expand(E, *getattr(p, n).shape[1:]) for n in p.TENSOR_FIELDS
-                     if getattr(p, n) is not None}
-            w = ExpertWeights(**views, layout=p.layout, interleaved=p.interleaved, quant=p.quant)
-            self._shape_w[E] = w
-        return w
-
     def _pool_impl(self, impl, pos: int, top_k: int, num_tokens: int, *, tokens: bool = False):
-        """The impl to run on the pool: itself, or (a tiled impl) a copy fixed to the resident layer's choices.
-
-        A Triton impl picks its tiles by (E, H, I, K, T), and (moeflow.experts.triton's decode
-        path, when the impl has one) whether a forward_tokens call takes the decode kernels and
-        their tiles by E too: on the pool E would read P, which may pick other tiles or the
-        other path and change the bits. The copy carries the resident layer's choices.
-        """
-        if not hasattr(impl, "tile_config_for") or getattr(impl, "tile_config", None) is not None:
-            return impl
-        w_res = self._shape_weights(self.store.num_experts[pos])
-        cfg = impl.tile_config_for(w_res, top_k, num_tokens)
-        decode = None  # (decode_max_pairs, decode_config) of the resident layer's call
-        if hasattr(impl, "uses_decode_path") and hasattr(impl, "decode_max_pairs"):
-            if tokens and impl.uses_decode_path(num_tokens, top_k, w_res.num_experts):
-                decode = (num_tokens * top_k, impl.decode_config_for(w_res, top_k, num_tokens))
-            else:
-                decode = (0, getattr(impl, "decode_config", None))
-        key = (id(impl), cfg, decode)
-        hit = self._fixed.get(key)
-        if hit is None or hit[0] is not impl:
-            fixed = copy.copy(impl)
-            fixed.tile_config = cfg
-            if decode is not None:
-                fixed.decode_max_pairs, fixed.decode_config = decode
-            fixed._cfg_cache = {}
-            hit = (impl, fixed)
-            self._fixed[key] = hit
-        return hit[1]
+        """The impl to run on the pool: a tiled impl picks tiles and path by E, and the pool's E
+        is Z + staging, so it runs as for the resident layer's E (experts.base.tiled_as)."""
+        return tiled_as(impl, self.store.num_experts[pos])
 
     # ---- the synchronous path for big steps -----------------------------------------------
     def _sync_step(self, pos: int, impl, batch, config, ids: torch.Tensor) -> torch.Tensor:

@@ -124,8 +124,9 @@ def run_router(rw: RouterWeights, spec: RouterSpec, x_TH: torch.Tensor, *,
     # require grad (HF Parameters do by default).
     r_TH = router_input(rw, x_TH).detach()
     if r_TH.is_cuda and triton_available():
-        # The fused router step: the batch-invariant logits GEMM and the selection (which adds
-        # gpt-oss's router bias) in two launches, the same bits as router_logits + route.
+        # The router step: the batch-invariant logits GEMM and the selection (which adds
+        # gpt-oss's router bias): one launch for T <= gpu.FUSED_MAX_T, else two; the same bits
+        # as router_logits + route either way.
         from .gpu import router_step_cuda
 
         if r_TH.dim() == 2 and r_TH.shape[1] > 1 and r_TH.stride(1) != 1:
