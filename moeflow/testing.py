@@ -71,3 +71,24 @@ def poisoned_like(t: torch.Tensor, pad_rows: int) -> torch.Tensor:
     """A copy of `t` [R, ...] followed by `pad_rows` NaN rows: padding a kernel must never read."""
     pad = torch.full((pad_rows, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)
     return torch.cat([t, pad], dim=0)
+
+
+def run_interpreter_check(script: str, check: str, *, timeout: float = 900) -> None:
+    """Run `python script check` under the Triton interpreter in a subprocess; assert it printed "PASS check".
+
+    A subprocess, so the calling process never imports Triton in interpreter mode. The repo
+    root (the script's parent's parent) goes first on PYTHONPATH and the caller's PYTHONPATH
+    stays after it (where a CPU build of Triton may live); CUDA is hidden.
+    """
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(script).resolve().parents[1]
+    path = os.pathsep.join(p for p in (str(root), os.environ.get("PYTHONPATH", "")) if p)
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
+    proc = subprocess.run([sys.executable, script, check], cwd=root, capture_output=True, text=True, env=env,
+                          timeout=timeout)
+    assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
+    assert f"PASS {check}" in proc.stdout, proc.stdout

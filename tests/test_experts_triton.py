@@ -346,13 +346,9 @@ def test_selector_registers_triton():
 
 # --------------------------------------------------------------------------- CPU: Triton interpreter
 def _run_interp(check: str) -> None:
-    # keep the caller's PYTHONPATH after the repo (where a CPU build of Triton may live)
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, __file__, check], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    assert f"PASS {check}" in proc.stdout, proc.stdout
+    from moeflow.testing import run_interpreter_check
+
+    run_interpreter_check(__file__, check)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")

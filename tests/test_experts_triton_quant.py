@@ -278,12 +278,9 @@ def test_selector_registers_triton_quant():
 
 # --------------------------------------------------------------------------- CPU: Triton interpreter
 def _run_interp(check: str) -> None:
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": os.pathsep.join(
-        p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p), "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, __file__, check], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=900)
-    assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    assert f"PASS {check}" in proc.stdout, proc.stdout
+    from moeflow.testing import run_interpreter_check
+
+    run_interpreter_check(__file__, check)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")

@@ -22,8 +22,6 @@ from __future__ import annotations
 
 import copy
 import importlib.util
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -281,12 +279,9 @@ def test_pool_runs_with_the_resident_layers_tiles():
 
 
 def _run_interp(check: str) -> None:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, __file__, check], cwd=ROOT, capture_output=True, text=True, env=env,
-                          timeout=600)
-    assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
-    assert f"PASS {check}" in proc.stdout, proc.stdout
+    from moeflow.testing import run_interpreter_check
+
+    run_interpreter_check(__file__, check)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")

@@ -51,9 +51,11 @@ class OffloadConfig:
                     (uniform among the oldest `oldest_fraction` of the slots, seeded: the
                     policy the seed's engine measured better than LRU for decode), or
                     "predictive" (random_oldest that never evicts an expert the next-layer
-                    predictor wants while another candidate exists), or "adaptive" (evicts the
-                    key least likely to be used within the cache's lifetime: layer-cyclic reuse,
-                    decayed frequency and the predictor's measured precision; moeflow.offload.policy).
+                    predictor wants while another candidate exists), or "adaptive" (hit density:
+                    evicts the key with the fewest expected hits per slot-step, from online reuse
+                    hazards and the next-layer predictor's per-rank precision, duelled against a
+                    shadow LRU so it follows whichever missed less recently; prefetch only at a
+                    rank precision >= 0.95; moeflow.offload.policy).
     prefetch_width: W experts per token predicted for the next layer and copied ahead on a
                     side stream (0: no prefetch copies). May exceed K.
     predict_width:  experts per token the "predictive" policy protects when prefetch is off
