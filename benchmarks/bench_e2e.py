@@ -53,10 +53,12 @@ Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok
     logits_rel_l2, top1_agree     all logits of one forward (batch 1, --accuracy-T tokens) against the
                                   same model converted in place to fp32 (HF "eager" experts), at the end
                                   of the shape.
-    graph_decode_tok_s, graph_tokens_equal_eager, graph_compile_s   (--graphs only)
-                                  generate with cache_implementation="static" and
-                                  CompileConfig(mode="reduce-overhead") (CUDA graphs); an error is
-                                  recorded as the row's status.
+    graph_decode_tok_s, static_eager_decode_tok_s, graph_tokens_equal_eager, graph_capture_s
+                                  (--graphs only) greedy decode through moeflow.hf.StaticDecoder:
+                                  static cache, each step replayed from one CUDA graph, against the
+                                  same recipe run eagerly (its tokens must be equal); per step =
+                                  (t(N) - t(1)) / (N - 1). A refused model (eager attention,
+                                  sliding-window cache layers) is recorded as the row's status.
 
 Order and budget: per shape, tier 1 first (prefill at T = 2048, decode b1 and b16, accuracy logits,
 the profiler split, decode syncs), then tier 2 (the other T and batches), then tier 3 (--graphs).
@@ -530,88 +532,98 @@ class Shape:
         self.run.add(**self.base(variant, "prefill_tok_s", T=T, value=T / t, unit="tok/s"))
         self.run.add(**self.base(variant, "prefill_ms", T=T, value=t * 1e3, unit="ms"))
 
-    def _gen_config(self, n: int, graphs: bool):
-        """One GenerationConfig per (n, graphs), reused so a compiled call is never re-wrapped."""
+    def _gen_config(self, n: int):
+        """One GenerationConfig per n, reused."""
         cache = self.__dict__.setdefault("_gen_configs", {})
-        if (n, graphs) not in cache:
-            cache[(n, graphs)] = self._new_gen_config(n, graphs)
-        return cache[(n, graphs)]
+        if n not in cache:
+            cache[n] = self._new_gen_config(n)
+        return cache[n]
 
     @staticmethod
-    def _new_gen_config(n: int, graphs: bool):
+    def _new_gen_config(n: int):
         from transformers import GenerationConfig
 
         kw = dict(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, bos_token_id=1,
                   eos_token_id=2)
-        if graphs:
-            from transformers import CompileConfig
-
-            kw.update(cache_implementation="static", compile_config=CompileConfig(mode="reduce-overhead"))
-        else:
-            kw["disable_compile"] = True
+        kw["disable_compile"] = True
         try:
             return GenerationConfig(**kw)
         except TypeError:
             kw.pop("disable_compile", None)
             return GenerationConfig(**kw)
 
-    def _generator(self, B: int, graphs: bool = False):
+    def _generator(self, B: int):
         P = self.run.args.prompt_len
         prompt = self.ids(B, P, seed=1000 + B)
         mask = torch.ones_like(prompt)
         model = self.model
 
         def gen(n: int):
-            return model.generate(input_ids=prompt, attention_mask=mask, generation_config=self._gen_config(n, graphs))
+            return model.generate(input_ids=prompt, attention_mask=mask, generation_config=self._gen_config(n))
 
         return gen, P
 
-    def decode(self, variant: str, B: int, graphs: bool = False) -> None:
+    def decode(self, variant: str, B: int) -> None:
         N = self.run.args.new_tokens
-        gen, P = self._generator(B, graphs)
-        prefix = "graph_" if graphs else ""
-        t_first = time.time()
-        out = gen(N)  # warm-up (and the compile, under --graphs); also the tokens
+        gen, P = self._generator(B)
+        out = gen(N)  # warm-up; also the tokens
         self.run.sync()
-        compile_s = time.time() - t_first
         new = out[:, P:].detach().cpu()
         if new.shape[1] != N:
             raise RuntimeError(f"generate produced {new.shape[1]} new tokens, expected {N}")
-        if graphs:
-            compiled = hasattr(self.model, "_compiled_call")
-            self.run.add(**self.base(variant, "graph_compile_s", batch=B, value=compile_s, unit="s", compiled=compiled,
-                                     note="first generate call: compile + capture + one run" if compiled else
-                                     "transformers did not compile (it compiles on CUDA only): static cache, eager"))
-            eager = self.tokens.get((variant, B))
-            self.run.add(**self.base(variant, "graph_tokens_equal_eager", batch=B,
-                                     value=None if eager is None else float((eager == new).float().mean()),
-                                     status="ok" if eager is not None else "n/a: no eager tokens for this batch"))
-        else:
-            self.tokens[(variant, B)] = new
-            ref = self.tokens.get(("hf", B))
-            if variant != "hf" and ref is not None:
-                self.run.add(**self.base(variant, "decode_tokens_equal_hf", batch=B,
-                                         value=float((ref == new).float().mean()), unit="fraction"))
+        self.tokens[(variant, B)] = new
+        ref = self.tokens.get(("hf", B))
+        if variant != "hf" and ref is not None:
+            self.run.add(**self.base(variant, "decode_tokens_equal_hf", batch=B,
+                                     value=float((ref == new).float().mean()), unit="fraction"))
         tN = self.run.timer(lambda: gen(N), warmup=0)
         t1 = self.run.timer(lambda: gen(1), warmup=1)
         kw = dict(batch=B, new_tokens=N, prompt_len=P)
-        self.run.add(**self.base(variant, prefix + "generate_tok_s", value=B * N / tN, unit="tok/s",
+        self.run.add(**self.base(variant, "generate_tok_s", value=B * N / tN, unit="tok/s",
                                  note="includes the prompt's prefill", **kw))
         if tN > t1 and N > 1:
             step = (tN - t1) / (N - 1)
-            self.run.add(**self.base(variant, prefix + "decode_tok_s", value=B / step, unit="tok/s", **kw))
-            self.run.add(**self.base(variant, prefix + "decode_ms_per_step", value=step * 1e3, unit="ms", **kw))
+            self.run.add(**self.base(variant, "decode_tok_s", value=B / step, unit="tok/s", **kw))
+            self.run.add(**self.base(variant, "decode_ms_per_step", value=step * 1e3, unit="ms", **kw))
         else:
-            self.run.add(**self.base(variant, prefix + "decode_tok_s", value=None, status=(
+            self.run.add(**self.base(variant, "decode_tok_s", value=None, status=(
                 f"n/a: t(generate {N}) = {tN * 1e3:.2f} ms <= t(generate 1) = {t1 * 1e3:.2f} ms"), **kw))
 
     def graphs(self, variant: str, B: int) -> None:
+        """Decode replayed from one CUDA graph (moeflow.hf.StaticDecoder) against the same recipe run eagerly."""
+        from moeflow.hf.graphs import StaticDecoder
+
+        N, P = self.run.args.new_tokens, self.run.args.prompt_len
+        prompt = self.ids(B, P, seed=1000 + B)
+        kw = dict(batch=B, new_tokens=N, prompt_len=P)
+        decs = {}
+
+        def time_steps(prefix, dec):
+            tN = self.run.timer(lambda: dec.generate(prompt, N), warmup=1)
+            t1 = self.run.timer(lambda: dec.generate(prompt, 1), warmup=1)  # the prefill alone
+            if tN > t1:
+                self.run.add(**self.base(variant, prefix + "decode_tok_s", value=B * (N - 1) / (tN - t1),
+                                         unit="tok/s", **kw))
+            else:
+                self.run.add(**self.base(variant, prefix + "decode_tok_s", value=None,
+                                         status=f"n/a: t(N) {tN * 1e3:.2f} ms <= t(1) {t1 * 1e3:.2f} ms", **kw))
+
         try:
-            self.decode(variant, B, graphs=True)
+            decs["static_eager_"] = StaticDecoder(self.model, batch_size=B, max_len=P + N, graph=False)
+            want = decs["static_eager_"].generate(prompt, N)
+            time_steps("static_eager_", decs["static_eager_"])
+            t0 = time.time()
+            decs["graph_"] = StaticDecoder(self.model, batch_size=B, max_len=P + N)
+            got = decs["graph_"].generate(prompt, N)  # captures at its first decode step
+            self.run.sync()
+            self.run.add(**self.base(variant, "graph_capture_s", value=time.time() - t0, unit="s",
+                                     note="first generate: prefill + warm-up + capture + replays", **kw))
+            self.run.add(**self.base(variant, "graph_tokens_equal_eager", value=float((got == want).float().mean()),
+                                     unit="fraction", note="vs the same static-cache recipe run eagerly", **kw))
+            time_steps("graph_", decs["graph_"])
         finally:
-            if hasattr(self.model, "_compiled_call"):
-                del self.model._compiled_call
-            torch._dynamo.reset()
+            decs.clear()
+            _free(self.run.device)
 
     def accuracy(self, variant: str) -> None:
         ids = self.ids(1, self.run.args.accuracy_T, seed=7)
@@ -688,10 +700,16 @@ class Shape:
             self.run.add(**self.base(variant, "top1_agree", value=top1, unit="fraction vs fp32", **kw))
 
 
+def _profile_T(args) -> int:
+    """The T of tier 1's prefill and profile points."""
+    Ts = args.prefill_T_list
+    return 2048 if 2048 in Ts else ([t for t in Ts if t <= 2048] or Ts)[-1]
+
+
 def plan_points(args) -> list[tuple[int, str, dict]]:
     """(tier, kind, params) in the order they run for one shape."""
     Ts, Bs = args.prefill_T_list, args.decode_batches_list
-    t1 = 2048 if 2048 in Ts else ([t for t in Ts if t <= 2048] or Ts)[-1]
+    t1 = _profile_T(args)
     b1 = [b for b in Bs if b in (1, 16)] or Bs[:2]
     pts = [(1, "prefill", {"T": t1})] + [(1, "decode", {"B": b}) for b in b1]
     if not args.no_accuracy:
@@ -702,6 +720,8 @@ def plan_points(args) -> list[tuple[int, str, dict]]:
     pts += [(2, "decode", {"B": b}) for b in Bs if b not in b1]
     if args.graphs:
         pts += [(3, "graphs", {"B": b}) for b in (b1 + [b for b in Bs if b not in b1])]
+    if args.points:
+        pts = [p for p in pts if p[1] in args.points_list]
     return pts
 
 
@@ -890,8 +910,31 @@ def markdown(run: Run) -> str:
                     cells.append(f"{mine / hf:.2f}×" if hf else f"{mine:.4g} tok/s")
             lines.append(f"| {name} | {sm.get('layers', '')} | {v} | {sm.get('variant_impl', {}).get(v, '')} | "
                          + " | ".join(cells) + " |")
+    if any(r["metric"] == "graph_decode_tok_s" for r in run.rows):
+        lines += ["", "Decode replayed from a CUDA graph (`moeflow.hf.StaticDecoder`, static cache), tok/s: graph, the "
+                  "same recipe eager, and `generate` eager; ratios against the unpatched (hf) model:", "",
+                  "| shape | variant | batch | graph tok/s | static eager tok/s | generate tok/s | graph ÷ hf graph | "
+                  "graph ÷ hf generate | graph tokens = eager |", "|" + "---|" * 9]
+        for name in m["shapes"]:
+            for b in a.decode_batches_list:
+                for v in a.variants_list:
+                    def g(metric, variant=v, b=b, name=name):
+                        return idx.get((name, variant, metric, None, b, None))
+
+                    gr, se, ge = g("graph_decode_tok_s"), g("static_eager_decode_tok_s"), g("decode_tok_s")
+                    if gr is None and se is None:
+                        continue
+                    hg, hge = g("graph_decode_tok_s", "hf"), g("decode_tok_s", "hf")
+                    eq = g("graph_tokens_equal_eager")
+
+                    def fmt(x):
+                        return "" if x is None else f"{x:.4g}"
+
+                    lines.append(f"| {name} | {v} | {b} | {fmt(gr)} | {fmt(se)} | {fmt(ge)} | "
+                                 f"{'' if gr is None or not hg else f'{gr / hg:.2f}×'} | "
+                                 f"{'' if gr is None or not hge else f'{gr / hge:.2f}×'} | {fmt(eq)} |")
     lines += ["", f"Accuracy against the fp32 copy (batch 1, T = {a.accuracy_T}, all logits), host syncs, and the "
-              f"per-layer split of one prefill forward at T = {plan_points(a)[0][2]['T']} (ms/layer, "
+              f"per-layer split of one prefill forward at T = {_profile_T(a)} (ms/layer, "
               + ("CUDA kernel time by launch range" if run.device.type == "cuda" else "CPU wall time of the ranges")
               + "; empty where n/a):", "",
               "| shape | variant | logits rel-L2 | top-1 agree | syncs / decode token | syncs / prefill | "
@@ -939,7 +982,10 @@ def parse_args(argv=None):
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens for generate (32)")
     ap.add_argument("--accuracy-T", type=int, default=None, help="tokens of the accuracy forward (256)")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the fp32 comparison (then more layers fit)")
-    ap.add_argument("--graphs", action="store_true", help="also decode under CUDA graphs (static cache + compile)")
+    ap.add_argument("--graphs", action="store_true", help="also decode replayed from CUDA graphs (moeflow.hf.StaticDecoder; static cache)")
+    ap.add_argument("--points", default=None,
+                    help="comma list of the point kinds to run (prefill,decode,accuracy,profile,decode_syncs,graphs); "
+                         "default: all that the other flags ask for")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (needs --tiny), fp32")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (hidden 64, 4 experts, 2 layers)")
     ap.add_argument("--quick", action="store_true", help="fewer points and repeats for a first GPU run")
@@ -966,6 +1012,13 @@ def parse_args(argv=None):
             ap.error(f"--shapes: {s!r} is not one of {','.join(SHAPE_ORDER)}")
     variants = [v for v in args.variants.split(",") if v]
     args.variants_list = (["hf"] if "hf" in variants else []) + [v for v in variants if v != "hf"]
+    kinds = ("prefill", "decode", "accuracy", "profile", "decode_syncs", "graphs")
+    args.points_list = [k for k in (args.points or "").split(",") if k]
+    for k in args.points_list:
+        if k not in kinds:
+            ap.error(f"--points: {k!r} is not one of {','.join(kinds)}")
+    if "graphs" in args.points_list:
+        args.graphs = True
     if args.new_tokens < 2:
         ap.error("--new-tokens: at least 2 (decode = t(N) - t(1))")
     return args
@@ -1010,7 +1063,7 @@ def main(argv=None) -> int:
     summ, cols = summary_rows(run)
     print()
     print(format_table(summ, cols))
-    print(f"\n(decode/prefill in tok/s; router..rest in ms/layer at T={plan_points(args)[0][2]['T']}; "
+    print(f"\n(decode/prefill in tok/s; router..rest in ms/layer at T={_profile_T(args)}; "
           f"JSON {args.out}, markdown {args.md}; {run.elapsed():.0f}s"
           + (f"; stopped: {run.meta['stopped']}" if run.meta["stopped"] else "") + ")")
     return 0

@@ -167,43 +167,12 @@ def _make_model(tiny_model, patch, experts="triton", **kw):
 
 
 def _decode(model, batch, graph, P=6, N=8):
-    """Greedy decode of N tokens after a P-token prompt, eager or by replaying a CUDA graph of one step."""
-    from transformers import StaticCache
+    """Greedy decode of N tokens after a P-token prompt (moeflow.hf.StaticDecoder), eager or replayed."""
+    from moeflow.hf.graphs import StaticDecoder
 
     prompt = torch.randint(3, 97, (batch, P), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
-    cache = StaticCache(config=model.config, max_cache_len=P + N + 2)
-    logs = []
-    with torch.no_grad():
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True,
-                    cache_position=torch.arange(P, device="cuda"))
-        tok = out.logits[:, -1].argmax(-1, keepdim=True)
-        toks = [tok]
-        static_tok, static_pos = tok.clone(), torch.tensor([P], device="cuda")
-
-        def step():
-            return model(input_ids=static_tok, past_key_values=cache, use_cache=True,
-                         cache_position=static_pos).logits[:, -1].float()
-
-        if graph:
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                step()
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out_l = step()
-        for i in range(N):
-            static_pos.fill_(P + i)
-            static_tok.copy_(toks[-1])
-            if graph:
-                g.replay()
-                logits = out_l.clone()
-            else:
-                logits = step()
-            logs.append(logits)
-            toks.append(logits.argmax(-1, keepdim=True))
-    return torch.cat(toks, 1), torch.stack(logs)
+    return StaticDecoder(model, batch_size=batch, max_len=P + N + 2, graph=graph).generate(prompt, N,
+                                                                                        return_logits=True)
 
 
 def graph_decode(batch):

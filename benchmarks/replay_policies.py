@@ -35,7 +35,7 @@ from moeflow.offload.trace import Trace, record_trace, replay  # noqa: E402
 SYNTH = {"synth-mixtral": ({"H": 128, "I": 32, "E": 8, "K": 2, "shared": 0}, 8),
          "synth-e32k4": ({"H": 128, "I": 32, "E": 32, "K": 4, "shared": 0}, 8),
          "synth-deepseek": ({"H": 128, "I": 16, "E": 256, "K": 8, "shared": 0}, 4)}
-POLICIES = ("lru", "random_oldest", "predictive", "adaptive")
+POLICIES = ("lru", "random_oldest", "predictive", "adaptive", "adaptive_long")
 
 
 def synth_trace(name: str, tokens: int) -> Trace:

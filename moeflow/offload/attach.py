@@ -500,6 +500,14 @@ def _check_sync_free(layers: list, config: OffloadConfig) -> None:
         if _local_ids(layer) is not None or not getattr(layer.dispatcher, "fuses", True):
             raise ValueError(f"OffloadConfig.sync_free=True: layers[{i}] (layer_idx={layer.layer_idx}) is expert-"
                              f"parallel ({type(layer.dispatcher).__name__}); expected single-device layers")
+    if config.policy == "lru":
+        # device admission takes one step's distinct experts into the cache at once (moeflow.offload.graph)
+        need = max(min(layer.config.num_experts, config.sync_free_tokens * layer.config.top_k) for layer in layers)
+        if config.gpu_slots < need:
+            raise ValueError(
+                f"OffloadConfig.gpu_slots={config.gpu_slots}: sync_free=True with policy 'lru' admits a step's experts "
+                f"into the cache on the device, up to min(E, sync_free_tokens*K) = {need} at once; expected gpu_slots "
+                f">= {need} (or policy='random_oldest')")
     dev = torch.device(config.resolved_device())
     if dev.type == "cuda":
         from .._triton import triton_available

@@ -141,6 +141,23 @@ class SlotTable:
         self.predicted = ranked
         self._protected = frozenset(ranked)
 
+    def adopt(self, slot_keys: list[Key | None], recency: list[int]) -> None:
+        """Take over slots assigned elsewhere (the sync-free path's device LRU admission).
+
+        slot_keys[s]: the key slot s holds (None: empty); recency[s]: when it was last used
+        (larger is more recent; ties by slot). Stats and pins stay as they are.
+        """
+        if len(slot_keys) != self.num_slots or len(recency) != self.num_slots:
+            raise ValueError(f"adopt: {len(slot_keys)} keys / {len(recency)} stamps for {self.num_slots} slots")
+        self.slot_key = list(slot_keys)
+        self.key_to_slot = {k: s for s, k in enumerate(slot_keys) if k is not None}
+        if len(self.key_to_slot) != sum(k is not None for k in slot_keys):
+            raise ValueError("adopt: a key is held by two slots")
+        held = sorted((s for s, k in enumerate(slot_keys) if k is not None), key=lambda s: (recency[s], s))
+        self.order = OrderedDict((s, None) for s in held)
+        self.free = [s for s in range(self.num_slots - 1, -1, -1) if slot_keys[s] is None]
+        self.prefetched.clear()
+
     # ---- queries -------------------------------------------------------------------------
     def is_pinned(self, slot: int) -> bool:
         return self.pin_epoch[slot] == self.epoch

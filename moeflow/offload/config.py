@@ -84,11 +84,13 @@ class OffloadConfig:
                     llama.cpp --n-cpu-moe-like runs). Unquantized experts only. Numerical
                     contract: docs/offload.md, "CPU execution of missed experts".
     sync_free:      decode with no host sync per layer step, capturable in a CUDA graph
-                    (moeflow.offload.graph): a device table maps (layer, expert) -> slot, a
-                    kernel copies the step's missing experts from pinned host memory into
-                    staging slots and remaps the ids, and the cache refills a step later from
-                    ids read back without waiting (event queries). Bit-identical to the resident
-                    model. A step of more than `sync_free_tokens` tokens (a prefill) runs the
+                    (moeflow.offload.graph): a device table maps (layer, expert) -> slot. With
+                    policy "lru" a kernel admits the step's missing experts on the device (least
+                    recently used slots) and copies them from pinned host memory straight into
+                    their slots (needs gpu_slots >= min(E, sync_free_tokens * K)); with
+                    "random_oldest" it copies them into staging slots and the cache refills a
+                    step later from ids read back without waiting (event queries), which moves
+                    each miss twice. Bit-identical to the resident model. A step of more than `sync_free_tokens` tokens (a prefill) runs the
                     synchronous path. Needs store "pinned"/"auto" (a packed pinned copy), Triton
                     on a CUDA cache (the CPU runs a torch version of the same step), policy
                     "lru" or "random_oldest", prefetch_width=0, cpu_experts="off", no zero experts

@@ -12,9 +12,24 @@ Device state (allocated once, so a captured graph reads fixed addresses):
     lut_LE    int32 [L, E_max]  (layer, expert) -> cache slot, -1 = not resident (on device).
     log_LR    int32 [L, 1 + 2*NCAP]  per layer: a step counter, the last step's ids and remap.
 
-One layer step (`run_step`, N <= NCAP), two kernels (moeflow.kernels.offload_gather; the CPU
-device runs `remap_torch` + `stage_torch`, the same rule in torch), then the layer's own
-experts impl, unchanged, on the pool:
+Two modes, by the eviction policy:
+
+Policy "lru": device admission (`admit_torch` / the admit kernel). More state on the device:
+    slot_key_Z int32 (layer * E_max + e, -1 empty), stamp_Z int64 (last step that used the
+    slot), clock_1 int64. One layer step: clock += 1; the step's resident experts get
+    stamp = clock; each missing expert (in order of its first pair) takes the slot of least
+    stamp (ties: lowest slot), the evicted key leaves the lut, the new key enters it, and the
+    copy kernel reads its packed row from pinned host memory straight into that slot; then the
+    impl runs on the pool (no staging rows: P = Z). A miss crosses PCIe once; `refill` only
+    reads the logs back for the counters (a copied expert is logged as -2 - slot). Needs
+    Z >= min(E_max, NCAP). A synchronous step (prefill) reads the device state back, runs
+    the host SlotTable on it (`SlotTable.adopt`) and writes the result back (stamps in LRU
+    order).
+
+Policy "random_oldest": staging + lagged refill, below. One layer step (`run_step`,
+N <= NCAP), two kernels (moeflow.kernels.offload_gather; the CPU device runs `remap_torch` +
+`stage_torch`, the same rule in torch), then the layer's own experts impl, unchanged, on the
+pool:
     1. remap: each pair reads lut[e]; an expert with lut[e] = -1 gets staging slot Z + r, r its
        rank among the step's missing experts ordered by first pair (owner = the first pair
        using it); the step's ids and remap go to its log row.
@@ -67,8 +82,11 @@ from .store import packed_views
 
 __all__ = ["GraphStats", "SyncFreeOffload", "remap_torch", "stage_torch"]
 
-# Entries of the pinned lut-mirror and log-snapshot rings.
-RING = 4
+# Entries of the pinned lut-mirror and log-snapshot rings. Replays let the host run many steps
+# ahead of the device; with 4 entries the refill dropped ~80% of the steps of a 24-step replayed
+# decode (H200, 2026-12-03), so the policy saw a fifth of the routing. A snapshot is L*(1+2*NCAP)
+# int32 and a mirror L*E_max int32: 32 of each cost kilobytes of pinned memory.
+RING = 32
 
 
 @dataclass
@@ -135,11 +153,65 @@ def remap_torch(ids_N: torch.Tensor, lut_E: torch.Tensor, num_cache_slots: int, 
     return remap, ids[is_job]
 
 
-def stage_torch(experts: torch.Tensor, host_EB: torch.Tensor, pool_PB: torch.Tensor, num_cache_slots: int) -> None:
-    """pool[Z + r] = host[experts[r]] (packed rows of bytes): the copy kernel's effect."""
+def stage_torch(experts: torch.Tensor, host_EB: torch.Tensor, pool_PB: torch.Tensor, num_cache_slots: int,
+                rows: torch.Tensor | None = None) -> None:
+    """pool[Z + r] (or pool[rows[r]]) = host[experts[r]] (packed rows of bytes): the copy kernel's effect."""
     r = int(experts.numel())
-    if r:
-        pool_PB[num_cache_slots : num_cache_slots + r] = host_EB.index_select(0, experts.to(host_EB.device))
+    if not r:
+        return
+    src = host_EB.index_select(0, experts.to(host_EB.device)).to(pool_PB.device)
+    if rows is None:
+        pool_PB[num_cache_slots : num_cache_slots + r] = src
+    else:
+        pool_PB[rows.to(pool_PB.device).long()] = src
+
+
+def admit_torch(ids_N: torch.Tensor, layer: int, lut_LE: torch.Tensor, slot_key_Z: torch.Tensor,
+                stamp_Z: torch.Tensor, clock_1: torch.Tensor, num_experts: int, pool_rows: int, ncap: int,
+                log_R: torch.Tensor, advance: int = 1) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Device admission of one layer step (policy "lru"): (remap_N int32, experts int64 [r], their slots [r]).
+
+    The admit kernel's rule (moeflow.kernels.offload_gather.offload_admit_kernel), in torch:
+    step = clock + advance; every resident expert of the step gets stamp = step; each missing
+    expert, in order of its first pair, takes the slot of least stamp (ties: lowest slot), whose
+    old key leaves the lut; lut, slot_key, stamp and clock are updated in place. The log row
+    holds the ids and the remap, an admitted expert's slot written as -2 - slot.
+    lut_LE int32 [L, E_max]; slot_key_Z int32 [Z] (layer * E_max + e, or -1); stamp_Z, clock_1 int64.
+    """
+    ids = ids_N.reshape(-1).long()
+    N, E = int(ids.shape[0]), num_experts
+    E_max = int(lut_LE.shape[1])
+    flat = lut_LE.view(-1)
+    base = layer * E_max
+    in_range = (ids >= 0) & (ids < E)
+    slot = torch.where(in_range, flat.long()[(base + ids).clamp(0, flat.numel() - 1)], torch.full_like(ids, -1))
+    step = int(clock_1[0]) + advance
+    hit = in_range & (slot >= 0)
+    stamp_Z[slot[hit]] = step
+    miss = in_range & (slot < 0)
+    n = torch.arange(N, device=ids.device)
+    owner = torch.where(ids[:, None] == ids[None, :], n[None, :], N).min(dim=1).values
+    jobs = ids[miss & (owner == n)]  # in order of their first pair
+    victims = []
+    for e in jobs.tolist():
+        v = int(torch.argmin(stamp_Z))  # torch.argmin: the first minimum, the lowest slot on ties
+        old = int(slot_key_Z[v])
+        if old >= 0:
+            flat[old] = -1
+        slot_key_Z[v] = base + e
+        flat[base + e] = v
+        stamp_Z[v] = step
+        victims.append(v)
+    clock_1[0] = step
+    got = dict(zip(jobs.tolist(), victims))
+    remap = torch.tensor([got[e] if m else (int(sl) if r else pool_rows)
+                          for e, m, sl, r in zip(ids.tolist(), miss.tolist(), slot.tolist(), in_range.tolist())],
+                         dtype=torch.int32)
+    log_R[0] += 1
+    log_R[1:].fill_(-1)
+    log_R[1 : 1 + N] = ids.to(torch.int32)
+    log_R[1 + ncap : 1 + ncap + N] = torch.where(miss, -2 - remap, remap).to(torch.int32)
+    return remap, jobs, torch.tensor(victims, dtype=torch.int64)
 
 
 # ---- the cache over the pool's first Z rows ------------------------------------------------
@@ -217,7 +289,16 @@ class SyncFreeOffload:
         K_max = max(layer.config.top_k for layer in runtime.layers)
         self.Z = config.gpu_slots
         self.ncap = config.sync_free_tokens * K_max
-        self.num_staging = min(E_max, self.ncap)
+        # policy "lru": the admit kernel evicts and loads on the device (no staging rows, no refill
+        # copies: a miss crosses PCIe once); else misses are staged and the host policy refills lagged
+        self.device_lru = config.policy == "lru"
+        self.max_step_experts = min(E_max, self.ncap)
+        if self.device_lru and self.Z < self.max_step_experts:
+            raise ValueError(
+                f"OffloadConfig.gpu_slots={self.Z}: sync_free=True with policy 'lru' admits a step's experts into the "
+                f"cache on the device, up to min(E={E_max}, sync_free_tokens*K={self.ncap}) = {self.max_step_experts} "
+                f"at once; expected gpu_slots >= {self.max_step_experts} (or policy='random_oldest')")
+        self.num_staging = 0 if self.device_lru else self.max_step_experts
         self.P = self.Z + self.num_staging
         # 0xFF bytes: a row never loaded reads NaN (floats) / -1, loud if a bug ever read it
         self.pool = torch.full((self.P, store.packed_row_bytes), 255, dtype=torch.uint8, device=device)
@@ -228,6 +309,10 @@ class SyncFreeOffload:
                                 measure_wait=config.measure_wait)
         self.lut = torch.full((L, E_max), -1, dtype=torch.int32, device=device)
         self.want = torch.full((L, E_max), -1, dtype=torch.int32)  # host: what the lut is to hold
+        if self.device_lru:  # the admit kernel's state (moeflow.kernels.offload_gather, admit_torch)
+            self.slot_key = torch.full((self.Z,), -1, dtype=torch.int32, device=device)
+            self.stamp = torch.zeros(self.Z, dtype=torch.int64, device=device)
+            self.clock = torch.zeros(1, dtype=torch.int64, device=device)
         self.log = torch.full((L, 1 + 2 * self.ncap), -1, dtype=torch.int32, device=device)
         self.log[:, 0] = 0
         self.last_seq = [0] * L
@@ -299,17 +384,55 @@ class SyncFreeOffload:
             flat = flat.to(torch.int32)
         flat = flat.contiguous()
         lut, log = self.lut[pos, :E], self.log[pos]
+        if self.device_lru:
+            return self._admit(pos, flat, log)
         if self.use_triton:
             from ..kernels.offload_gather import gather_launch
 
             remap = torch.empty(flat.shape[0], dtype=torch.int32, device=self.device)
-            jobs = torch.empty(1 + self.num_staging, dtype=torch.int32, device=self.device)
+            jobs = torch.empty(1 + 2 * self.num_staging, dtype=torch.int32, device=self.device)
             gather_launch(flat, lut, self._host32[pos], self._pool32, remap, jobs, log, num_cache_slots=self.Z,
                           ncap=self.ncap, programs=self.programs)
             return remap
         remap, experts = remap_torch(flat, lut, self.Z, self.P, self.ncap, log)
         stage_torch(experts, self.store.packed[pos], self.pool, self.Z)
         return remap
+
+    def _admit(self, pos: int, flat: torch.Tensor, log: torch.Tensor, advance: int = 1) -> torch.Tensor:
+        """remap_N int32 [N]: layer `pos`'s experts admitted into the cache on the device (LRU), misses copied."""
+        E = self.store.num_experts[pos]
+        if self.use_triton:
+            from ..kernels.offload_gather import admit_launch
+
+            remap = torch.empty(flat.shape[0], dtype=torch.int32, device=self.device)
+            jobs = torch.empty(1 + 2 * self.max_step_experts, dtype=torch.int32, device=self.device)
+            admit_launch(flat, self.lut, self.slot_key, self.stamp, self.clock, self._host32[pos], self._pool32,
+                         remap, jobs, log, layer=pos, ncap=self.ncap, programs=self.programs, advance=advance)
+            return remap
+        remap, experts, rows = admit_torch(flat, pos, self.lut, self.slot_key, self.stamp, self.clock, E, self.P,
+                                           self.ncap, log, advance)
+        stage_torch(experts, self.store.packed[pos], self.pool, self.Z, rows)
+        return remap
+
+    def _adopt_device_state(self) -> None:
+        """Device LRU -> the host SlotTable, `want` and the clock mirror (a read-back: the synchronous path only)."""
+        E_max = int(self.lut.shape[1])
+        keys = self.slot_key.cpu().tolist()
+        self.cache.table.adopt([None if k < 0 else (k // E_max, k % E_max) for k in keys], self.stamp.cpu().tolist())
+        self.want.copy_(self.lut.cpu())
+        self._clock_host = int(self.clock.cpu()[0])
+
+    def _push_device_state(self) -> None:
+        """The host SlotTable's slots and LRU order -> slot_key, stamps and clock (after a synchronous step)."""
+        table = self.cache.table
+        E_max = int(self.lut.shape[1])
+        keys = [-1 if k is None else k[0] * E_max + k[1] for k in table.slot_key]
+        stamps = [0] * self.Z
+        for i, slot in enumerate(table.order):  # least recently used first: the lowest stamp
+            stamps[slot] = self._clock_host + 1 + i
+        self.slot_key.copy_(torch.tensor(keys, dtype=torch.int32))
+        self.stamp.copy_(torch.tensor(stamps, dtype=torch.int64))
+        self.clock.fill_(self._clock_host + len(table.order))
 
     def _pool_impl(self, impl, pos: int, top_k: int, num_tokens: int, *, tokens: bool = False):
         """The impl to run on the pool: a tiled impl picks tiles and path by E, and the pool's E
@@ -323,6 +446,8 @@ class SyncFreeOffload:
         ids_host, _ = _read_back(ids, None)
         E = self.store.num_experts[pos]
         used = sorted({e for e in ids_host if 0 <= e < E})
+        if self.device_lru:
+            self._adopt_device_state()
         table = self.cache.table
         before = list(table.slot_key)
         y = self.runtime._run_cached(pos, impl, batch, config, ids, ids_host, used, [])
@@ -339,6 +464,8 @@ class SyncFreeOffload:
             changed = True
         if changed:
             self._upload(self._free_mirror(wait=True))
+        if self.device_lru:
+            self._push_device_state()
         self.stats.sync_steps += 1
         return y
 
@@ -373,6 +500,10 @@ class SyncFreeOffload:
             raise ValueError("refill(): called inside a CUDA-graph capture; call it between replays")
         with self.runtime.lock:
             self._snapshot()  # first: on the CPU device it is complete at once and fed just below
+            if self.device_lru:  # the device admitted and copied already: the read-backs are stats only
+                while self._pending and self._snap_ev[self._pending[0]].query():
+                    self._feed(self._snaps[self._pending.popleft()])
+                return
             i = self._free_mirror()
             if i is None:
                 self.stats.deferred += 1
@@ -431,10 +562,13 @@ class SyncFreeOffload:
             for e, r in zip(row[1 : 1 + ncap], row[1 + ncap :]):
                 if 0 <= e < E and e not in first:
                     first[e] = r
+            # device admission logs a copied expert as -2 - slot; staging as a row >= Z
             hits = sum(1 for r in first.values() if 0 <= r < self.Z)
             st.device_hits += hits
             st.staged += len(first) - hits
             st.bytes_staged += (len(first) - hits) * self.store.expert_bytes
+            if self.device_lru:
+                continue
             used = sorted(first)
             for g in range(0, len(used), self.Z):  # a step of more experts than slots: in groups, as the sync path
                 before = list(table.slot_key)

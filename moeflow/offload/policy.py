@@ -23,6 +23,9 @@ Policies:
                     cache's characteristic time), from online hazards per (layer, age,
                     aged-frequency bucket) and the predictor's measured per-rank precision,
                     set-duelled against a ghost LRU; gated prefetch (see the class).
+    AdaptiveLong    Adaptive with a long-memory frequency (EMA decay 0.999 per visit, 12 log2
+                    buckets down to 2^-11 uses per visit): tells a rare expert from a cold-but-hot
+                    one where the routing has a stationary per-expert skew (RESULTS.md).
     Belady          (replay only) the candidate whose next use lies furthest ahead: the
                     optimal number of misses, the ceiling the others are measured against.
 """
@@ -402,10 +405,83 @@ class Adaptive:
         return best
 
 
+class AdaptiveLong(Adaptive):
+    """`Adaptive` whose frequency estimate has a long memory: EMA decay 0.999 per visit of the key's
+    layer (time constant ~1000 visits, against Adaptive's 0.995: ~200) and 12 log2 buckets (rates
+    down to 2^-11 per visit, against 8: 2^-7), so the Kaplan-Meier hazards are conditioned on the
+    expert's long-run share of its layer's picks, not on its last ~200 visits.
+
+    Why: decode routing with a stationary per-expert skew (Zipf-like router bias; large E) has most
+    keys rare: at E = 256, K = 8 an expert of rank 100 is picked once per ~30-100 visits, which
+    Adaptive's 8 buckets lump with never-seen keys, and a 200-visit memory cannot rank reliably.
+    Measured (benchmarks/results/replay_policies.json, 2026-12-04; bytes / LRU's): synth-deepseek 0.79
+    at 25% (Adaptive 0.81) and 0.83 at 50% (0.88), synth-e32k4 0.92 / 0.86 (0.92 / 0.88); the E = 8
+    traces at 25% 1.00 (LRU's, within 1%); but the embedded model's traces at 50% 0.78-0.79 against
+    Adaptive's 0.76: there the skew drifts with the text and the long memory lags it. So it is a
+    second policy, not Adaptive's replacement.
+
+    One more change, in `value`: a small weight on the hit density over max_visits visits, so a key
+    sure to be used just past a short horizon outranks a one-shot key (see `value`).
+    Everything else (hit density, horizon, predictor use, duel, prefetch gate) is Adaptive's.
+    """
+
+    name = "adaptive_long"
+
+    def __init__(self, num_slots: int, *, decay: float = 0.999, buckets: int = 12, tie_weight: float = 0.05,
+                 **kwargs) -> None:
+        duel = kwargs.pop("duel", True)
+        super().__init__(num_slots, decay=decay, buckets=buckets, duel=False, **kwargs)
+        self.tie_weight = tie_weight
+        self.duel = duel
+        if duel:  # as Adaptive's, but the hit-density ghost (the learner) is an AdaptiveLong too
+            from .cache import SlotTable
+
+            self._ghosts = (SlotTable(num_slots, LRU(), 0),
+                            SlotTable(num_slots, AdaptiveLong(num_slots, decay=decay, buckets=buckets,
+                                                              tie_weight=tie_weight, duel=False, **kwargs), 0))
+            self._learner = self._ghosts[1].policy  # type: ignore[assignment]
+
+    def value(self, key: Key) -> float:
+        """Hit density within the horizon, plus `tie_weight` x hit density over max_visits visits of
+        the key's layer: when the horizon is shorter than a hot key's reuse distance (few slots, many
+        evictions per step), every key scores ~0 within it and a one-shot key, whose hazard is small
+        but not 0, would outrank a key certain to be used just past the horizon (measured:
+        tests/test_offload_policy.py's one-shot trace, where Adaptive evicts the hot experts)."""
+        m = self._learner
+        j = key[0]
+        if j >= m.L:
+            return 0.0
+        L = m.L
+        d = (j - m.cur - 1) % L + 1
+        u = m.last_use.get(key)
+        a = m.A if u is None else min(m.visits[j] + 1 - u, m.A)
+        b = m.bucket.get(key, 0)
+        T = max(m.horizon(), float(d))
+        n = min(max(1, int((T - d) // L) + 1), m.max_visits)
+        surv, p_hit, e_t, near = 1.0, 0.0, 0.0, 0.0
+        for i in range(m.max_visits):
+            h = m._hazard(j, b, a + i)
+            if i == 0 and d == 1 and m._rank:
+                r = m._rank.get(key)
+                if r is not None:
+                    h = m._rank_precision(r)
+                else:
+                    miss = (1.0 - m.rec_u / m.rec_n) / max(1e-6, 1.0 - m.pred_share)
+                    h = min(1.0, h * miss)
+            q = surv * h
+            p_hit += q
+            e_t += q * (d + i * L)
+            surv *= 1.0 - h
+            if i == n - 1:
+                near = p_hit / max(e_t + surv * T, 1e-9)
+        far = p_hit / max(e_t + surv * (d + m.max_visits * L), 1e-9)
+        return near + self.tie_weight * far
+
+
 # The live policies, by OffloadConfig.policy name. PREDICTIVE_POLICIES use the next-layer
 # predictor's keys even with prefetch off (OffloadConfig.prediction_width must give them a width).
-POLICIES: tuple[str, ...] = ("lru", "random_oldest", "predictive", "adaptive")
-PREDICTIVE_POLICIES: tuple[str, ...] = ("predictive", "adaptive")
+POLICIES: tuple[str, ...] = ("lru", "random_oldest", "predictive", "adaptive", "adaptive_long")
+PREDICTIVE_POLICIES: tuple[str, ...] = ("predictive", "adaptive", "adaptive_long")
 
 
 def make_policy(name: str, num_slots: int, *, fraction: float = 0.0625, seed: int = 0) -> EvictionPolicy:
@@ -418,5 +494,7 @@ def make_policy(name: str, num_slots: int, *, fraction: float = 0.0625, seed: in
         return Predictive(num_slots, fraction=fraction, seed=seed)
     if name == "adaptive":
         return Adaptive(num_slots, seed=seed)
+    if name == "adaptive_long":
+        return AdaptiveLong(num_slots, seed=seed)
     raise ValueError(f"policy={name!r}: expected one of {POLICIES}; "
                      "'belady' needs the future and exists only in trace replay")
