@@ -199,7 +199,7 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
             decode(resident, x)
     rt.detach()
     del rt
-    for frac in args.fractions:
+    for frac in (args.fractions if args.main_rows else []):
         slots = max(K, int(round(frac * total)))
         for policy in args.policies:
             # sync-free rows (OffloadConfig.sync_free): no prefetch, no predictor-driven policy
@@ -465,6 +465,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--check", type=int, default=2, help="tokens compared bitwise with the resident model")
     p.add_argument("--no-profile", dest="profile", action="store_false")
+    p.add_argument("--only-cpu-experts", dest="main_rows", action="store_false",
+                   help="skip the policy rows: only the resident row and the cpu_experts rows")
     p.add_argument("--no-graphs", dest="graphs", action="store_false",
                    help="skip the CUDA-graph replay timing of the sync-free rows")
     p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke test of the script)")
@@ -533,7 +535,7 @@ def main(argv: list[str] | None = None) -> int:
     meta.update(pcie_GBps=pcie / 1e9,
                 command="python " + " ".join(["benchmarks/bench_offload.py", *(argv or sys.argv[1:])]),
                 wall_s=time.perf_counter() - t0,
-                median_roof_frac=statistics.median(r["roof_frac"] for r in rows if "roof_frac" in r))
+                median_roof_frac=statistics.median([r["roof_frac"] for r in rows if "roof_frac" in r] or [float("nan")]))
     write_json(args.out, rows, meta)
     print(f"wrote {args.out}")
     return 0

@@ -92,3 +92,33 @@ def run_interpreter_check(script: str, check: str, *, timeout: float = 900) -> N
                           timeout=timeout)
     assert proc.returncode == 0, f"interpreter check {check!r} failed:\n{proc.stdout[-4000:]}\n{proc.stderr[-6000:]}"
     assert f"PASS {check}" in proc.stdout, proc.stdout
+
+
+def cuda_scalar_division():
+    """A context manager under which CPU tensors divide by Python numbers as PyTorch does on CUDA.
+
+    PyTorch's CUDA `tensor / python_scalar` (div, true_divide, `/`) multiplies by the reciprocal
+    rounded to the compute type (a * fl(1 / b)) where the CPU divides; the last bit differs for
+    about half the values. Code that must give the same numbers on every device (quantization
+    scales: moeflow.quant.formats.div_by_const) is checked on the CPU under this mode. Tensor /
+    tensor divisions are untouched (IEEE on both devices).
+    """
+    import numbers
+
+    from torch.overrides import TorchFunctionMode
+
+    divs = {torch.Tensor.__truediv__, torch.Tensor.div, torch.Tensor.true_divide, torch.div, torch.true_divide,
+            torch.divide, torch.Tensor.divide}
+
+    class _CudaScalarDivision(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if (func in divs and len(args) == 2 and kwargs.get("rounding_mode") is None
+                    and isinstance(args[0], torch.Tensor) and args[0].is_floating_point()
+                    and isinstance(args[1], numbers.Real) and not isinstance(args[1], bool)):
+                a = args[0]
+                opmath = torch.float64 if a.dtype == torch.float64 else torch.float32
+                return (a.to(opmath) * torch.tensor(1.0 / float(args[1]), dtype=opmath)).to(a.dtype)
+            return func(*args, **kwargs)
+
+    return _CudaScalarDivision()

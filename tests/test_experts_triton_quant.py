@@ -27,6 +27,7 @@ interpreter fp16 rel-L2 <= 3e-3 (FP4) and <= 1e-2 (FP8). Failures print max-abs 
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import subprocess
@@ -188,8 +189,9 @@ def test_names_and_formats():
 
     assert TritonQuantExperts(fp8=True).name == "triton_quant"
     assert TritonQuantExperts(batch_invariant=True, fp8=True).name == "triton_quant_bi"
-    assert TritonQuantExperts.quant_formats == ("mxfp4", "nvfp4")
-    assert TritonQuantExperts(fp8=True).quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    assert TritonQuantExperts.quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    assert TritonQuantExperts().quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    assert TritonQuantExperts(fp8=False).quant_formats == ("mxfp4", "nvfp4")  # FP8 left to the reference
     with pytest.raises(TypeError, match="batch_invariant"):
         TritonQuantExperts(batch_invariant=1)
 
@@ -284,7 +286,7 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["fp8", "fp4", "modes", "gemv"])
+@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes", "gemv"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -293,7 +295,9 @@ def _patch_interpreter() -> None:
     """Test-only fixes of Triton 3.6's interpreter: numpy >= 2.4 index of 1-element arrays (as in
     test_experts_triton.py), and f32 -> float8e4nv conversion, which the interpreter rounds by its
     cut-off bit only (a mantissa carry corrupts the exponent); torch's conversion (round to nearest
-    even, as the GPU's cvt.rn) stands in."""
+    even, as the GPU's cvt.rn) stands in. Likewise f32 -> bf16, which the interpreter truncates
+    (round toward zero: bf16 results 2x the GPU's rounding error, biased); torch's round to nearest
+    even (the GPU's cvt.rn.bf16.f32) stands in."""
     import numpy as np
     import triton.language as tl
     import triton.runtime.interpreter as interp
@@ -307,6 +311,16 @@ def _patch_interpreter() -> None:
         patched._moeflow_patched = True
         interp._patch_lang_tensor = patched
     builder = interp.InterpreterBuilder
+    orig_cast = builder.cast_impl
+    if not getattr(orig_cast, "_moeflow_patched", False):
+        def cast_impl(self, src, dst_type):
+            if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+                data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+                return interp.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+            return orig_cast(self, src, dst_type)
+
+        cast_impl._moeflow_patched = True
+        builder.cast_impl = cast_impl
     orig_fp = builder.create_fp_to_fp
     if getattr(orig_fp, "_moeflow_patched", False):
         return
@@ -334,13 +348,17 @@ INTERP_CASES = [
 ]
 
 
-def check_cases(cases, device, dtype, T_list, impls, tol_fp8, tol_fp4, elementwise) -> None:
+def check_cases(cases, device, dtype, T_list, impls, tol_fp8, tol_fp4, elementwise,
+                ref_context=contextlib.nullcontext) -> None:
+    """ref_context: what the reference runs under (the interpreter checks: moeflow.testing.cuda_scalar_division,
+    so the CPU reference divides as the GPU one does)."""
     for fmt, E, H, I, K, act, layout, il, bias, woi in cases:
         cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device=device, weight_on_input=woi)
         tol = tol_fp8 if fmt.startswith("fp8") else tol_fp4
         for T in T_list:
             x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
-            ref, y_ref = reference_quant(x, ids, wts, wq, cfg)
+            with ref_context():
+                ref, y_ref = reference_quant(x, ids, wts, wq, cfg)
             for mode, impl in impls:
                 out = impl.forward_tokens(x, ids, wts, wq, cfg)
                 assert out.dtype == dtype and out.shape == (T, H)
@@ -452,16 +470,59 @@ def check_gemv(device, dtype, tol) -> None:
                 assert_bitwise_equal(got[[0, 2]], out[[0, 2]], what=f"{what}: other rows untouched by a bad id")
 
 
+# FP8 stages on the CPU: a GPU test shape, bf16 activations (exact ties of bf16 values on e4m3
+# midpoints are frequent: ~0.1% of the elements), the reference computed with CUDA's division
+# semantics (moeflow.testing.cuda_scalar_division) as it is on the GPU.
+FP8_STAGE_CASE = (16, 384, 256, 4, "silu")
+FP8_STAGE_TOKENS = (7, 64)
+
+
+def check_fp8_stages(device, dtype, impls, ref_context) -> None:
+    """Per stage (benchmarks/diag_fp8_stages.py): the kernels' activation quantization equals the
+    reference's bit for bit; gate_up's quantized intermediate equals it but for rare sum-order
+    flips; forward_tokens within the output dtype's rounding (rel-L2 <= 3e-3; the bf16 floor is
+    1.7e-3). Before moeflow.quant.formats.div_by_const, the reference's `amax / 448` under CUDA
+    semantics (a * fl(1/448)) flipped ~0.1% of the x codes: rel-L2 1.0e-2 .. 1.1e-2 here, the H200's
+    FP8 miss (benchmarks/RESULTS.md: 0.0103 .. 0.0157)."""
+    from benchmarks.diag_fp8_stages import fp8_stage_report
+
+    E, H, I, K, act = FP8_STAGE_CASE
+    cfg, wq = make_quant_case("fp8", E, H, I, K, act, device=device)
+    # (h codes differing, h scales' relative difference, output rel-L2). The interpreter sums in
+    # f32; on Hopper the BM >= 64 tiles run fp8 wgmma, which accumulates a K tile with fewer bits
+    # (no promotion): h moves by ~1e-4 relative and a few more codes flip. The output bound on the
+    # GPU is the GPU tests' 1e-2 (expected ~2-4e-3).
+    h_frac, h_scale, out_tol = (2e-3, 1e-4, 3e-3) if device == "cpu" else (2e-2, 5e-3, 1e-2)
+    for T in FP8_STAGE_TOKENS:
+        x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+        for mode, impl in impls:
+            r = fp8_stage_report(x, ids, wts, wq, cfg, impl, ref_context=ref_context)
+            what = f"fp8 stages E={E} H={H} I={I} T={T} {mode}"
+            print(f"{what}: {r}")
+            assert r["ref_device_scales_differing"] == 0 and r["ref_device_codes_differing"] == 0, \
+                f"{what}: the reference's activation quantization depends on the device: {r}"
+            assert r["quant_x_scales_differing"] == 0 and r["quant_x_codes_differing"] == 0, \
+                f"{what}: activation quantization, kernel vs reference, differs: {r}"
+            assert r["h_codes_differing_frac"] <= h_frac, f"{what}: h codes: {r}"
+            assert r["h_scales_max_rel"] <= h_scale, f"{what}: h scales: {r}"
+            assert r["out_rel_l2"] <= out_tol, f"{what}: output rel-L2 {r['out_rel_l2']:.3e} > {out_tol}: {r}"
+
+
 def _interp_main(check: str) -> None:
     from moeflow.experts.triton_quant import TritonQuantExperts
+    from moeflow.testing import cuda_scalar_division
 
     _patch_interpreter()
     impls = [("default", TritonQuantExperts(allow_cpu=True, fp8=True)),
              ("batch_invariant", TritonQuantExperts(allow_cpu=True, batch_invariant=True, fp8=True))]
     if check == "fp8":
+        # Measured: fp16 rel-L2 2-3e-4, bf16 1.7e-3 (default) / 2.4e-3 (two bf16 roundings in _bi).
         check_cases([c for c in INTERP_CASES if c[0].startswith("fp8")], "cpu", torch.float16, (1, 19), impls,
-                    1e-2, 3e-3, elementwise=False)
-        check_cases(INTERP_CASES[:1], "cpu", torch.bfloat16, (5,), impls[:1], 1e-2, 3e-3, elementwise=False)
+                    3e-3, 3e-3, elementwise=False, ref_context=cuda_scalar_division)
+        check_cases(INTERP_CASES[:1], "cpu", torch.bfloat16, (5,), impls, 3e-3, 3e-3, elementwise=False,
+                    ref_context=cuda_scalar_division)
+    elif check == "fp8_stages":
+        check_fp8_stages("cpu", torch.bfloat16, impls, cuda_scalar_division)
     elif check == "fp4":
         check_cases([c for c in INTERP_CASES if not c[0].startswith("fp8")], "cpu", torch.float16, (1, 19),
                     impls, 1e-2, 3e-3, elementwise=False)
@@ -494,22 +555,39 @@ GPU_CASES = [
 GPU_TOKENS = (1, 7, 64, 257, 1000)
 
 
-# FP8 misses this bound on the H200 (rel-L2 1.0e-2 .. 2.6e-2 on 2026-12-02; the same to 3 digits
-# on 2026-12-03 with fp16 gate_up dots, so not the fp8 MMA accumulation): a known failure, kept
-# visible (strict: a pass is reported too); it appears with H > 128 (the E=257, H=I=128 case
-# passes). FP8 is opt-in meanwhile.
-_FP8_XFAIL = pytest.mark.xfail(strict=True, reason="FP8 W8A8 kernel misses rel-L2 <= 1e-2 vs its reference on H200")
+# FP8 missed this bound on the H200 (rel-L2 1.0e-2 .. 2.6e-2, 2026-12-02/03; was a strict xfail).
+# Cause: the reference, not the kernels. quantize_fp8_activations computed s = amax / 448 with
+# PyTorch-CUDA's `tensor / python_scalar`, i.e. amax * fl(1/448), 1 ulp off the kernels' div_rn
+# for ~55% of the groups; bf16 activations often sit exactly on an e4m3 midpoint (x / s a tie),
+# where that ulp decides the rounding: ~0.1% of x's codes flipped, rel-L2 ~1e-2 (reproduced on the
+# CPU with CUDA's division emulated: 0.0103 / 0.0069 / 0.0111 / 0.0145 / 0.0154 at deepseek-v3's
+# H, T = 1 / 2 / 4 / 8 / 16, against the H200's 0.0103 / 0.0071 / 0.0126 / 0.0144 / 0.0157).
+# moeflow.quant.formats.div_by_const now divides exactly on every device; the CPU interpreter
+# check "fp8_stages" and tests/test_quant.py::test_quantizers_same_numbers_under_cuda_scalar_division
+# catch a regression. Expected here after the fix: ~2-4e-3. Not yet re-run on the H200 when the
+# xfail was lifted: if a case still fails, run benchmarks/diag_fp8_stages.py (per-stage errors).
 
 
 @gpu
 @needs_gpu
-@pytest.mark.parametrize("case", [pytest.param(c, marks=_FP8_XFAIL) if c[0].startswith("fp8") and c[1] != 257 else c
-                                  for c in GPU_CASES], ids=[f"{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-{c[5]}" for c in GPU_CASES])
+@pytest.mark.parametrize("case", GPU_CASES, ids=[f"{c[0]}-E{c[1]}-H{c[2]}-I{c[3]}-{c[5]}" for c in GPU_CASES])
 def test_gpu_matches_reference(case):
     from moeflow.experts.triton_quant import TritonQuantExperts
 
     impls = [("default", TritonQuantExperts(fp8=True)), ("batch_invariant", TritonQuantExperts(batch_invariant=True, fp8=True))]
     check_cases([case], "cuda", torch.bfloat16, GPU_TOKENS, impls, 1e-2, 1e-2, elementwise=True)
+
+
+@gpu
+@needs_gpu
+def test_gpu_fp8_stages():
+    """The FP8 stages on the GPU (benchmarks/diag_fp8_stages.py): the reference's activation
+    quantization is the same on CUDA as on the CPU, the kernels' equals it bit for bit, h and the
+    output within their bounds (see check_fp8_stages)."""
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    impls = [("default", TritonQuantExperts(fp8=True)), ("batch_invariant", TritonQuantExperts(batch_invariant=True, fp8=True))]
+    check_fp8_stages("cuda", torch.bfloat16, impls, contextlib.nullcontext)
 
 
 @gpu
@@ -579,7 +657,7 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
         pytest.fail("select does not register triton_quant")
     from moeflow.layer import MoELayer
 
-    # "auto" picks the fused kernels for MXFP4 (weight-only); FP8 stays on the reference (opt-in).
+    # "auto" picks the fused kernels for MXFP4 (weight-only) and FP8 (W8A8).
     cfg, wq = make_quant_case("mxfp4", 16, 320, 288, 4, "gptoss", "matmul", True, True, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     router_w = torch.randn(16, 320, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
@@ -596,11 +674,19 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
     cfg8, wq8 = make_quant_case("fp8", 16, 256, 128, 4, "silu", device="cuda")
     layer8 = MoELayer(cfg8, router_weight_EH=torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=g),
                       experts=wq8, experts_impl="auto")
-    layer8(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, generator=g))
-    assert layer8.impl_name == "reference"  # FP8 opt-in until its accuracy miss is found
+    x8 = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+    out8 = layer8(x8)
+    assert layer8.impl_name == "triton_quant"
+    ref8 = MoELayer(cfg8, router=layer8.router_weights, experts=wq8, experts_impl="reference")
+    # W8A8 against weight-only dequantized f32: the activation quantization's own error (~4e-2 rel-L2
+    # at the bench shapes, RESULTS.md); a wrong scale or tile would be >= 1e-1. Exactness against the
+    # W8A8 reference is test_gpu_matches_reference's.
+    check_close(out8, ref8(x8).float(), "MoELayer fp8 auto (W8A8) vs reference (dequantized)", tol_rel_l2=8e-2,
+                elementwise=False)
 
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton_quant.py {fp8|fp4|modes|gemv}")
+        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton_quant.py "
+                         "{fp8|fp8_stages|fp4|modes|gemv}")
     _interp_main(sys.argv[1])

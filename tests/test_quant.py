@@ -241,6 +241,36 @@ def test_fp8_activation_quantization():
     assert back[0, 1].item() == -896.0 and back[1, 4].item() == 0.5 and (back[1, :4] == 0).all()
 
 
+def test_quantizers_same_numbers_under_cuda_scalar_division():
+    """The quantizers give the CPU's (IEEE) numbers under PyTorch-CUDA's `tensor / python_scalar`
+    semantics (a * fl(1 / b), emulated on the CPU by moeflow.testing.cuda_scalar_division).
+
+    The FP8 accuracy miss on the H200: the W8A8 reference computed s = amax / 448 that way on CUDA,
+    1 ulp off the kernels' div_rn for ~55% of the groups; bf16 activations land exactly on e4m3
+    midpoints often enough (~0.1%) that the ulp flipped codes, rel-L2 1e-2 vs the kernels.
+    """
+    from moeflow.testing import cuda_scalar_division
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(512, 256, generator=g).to(torch.bfloat16).float()  # bf16 values: exact ties occur
+    w = torch.randn(3, 96, 160, generator=g) * 0.05
+    amax = x.view(512, 2, 128).abs().amax(dim=-1)  # per token per 128 channels, all > 0 here
+    ieee = amax / 448.0  # CPU: IEEE f32 division
+    with cuda_scalar_division():
+        assert not torch.equal(amax / 448.0, ieee), "the emulation must change `tensor / 448.0` here"
+        got_a = quantize_fp8_activations(x, 128)
+        got_b = [quantize_fp8_block(w[0], (32, 32), ue8m0=u) for u in (False, True)]
+        got_m, got_n = quantize_mxfp4(w[1]), quantize_nvfp4(w[2])
+    want_a = quantize_fp8_activations(x, 128)
+    assert torch.equal(want_a[1], ieee), "s = max|x| / 448 is the IEEE f32 quotient (the kernels' div_rn)"
+    assert torch.equal(got_a[1], want_a[1]), "fp8 activation scales differ under CUDA division semantics"
+    assert _equal_bits(got_a[0], want_a[0]), "fp8 activation codes differ under CUDA division semantics"
+    for u, got in zip((False, True), got_b):
+        assert all(_equal_bits(a, b) for a, b in zip(got, quantize_fp8_block(w[0], (32, 32), ue8m0=u)))
+    assert all(_equal_bits(a, b) for a, b in zip(got_m, quantize_mxfp4(w[1])))
+    assert all(_equal_bits(a, b) for a, b in zip(got_n, quantize_nvfp4(w[2])))
+
+
 # ------------------------------------------------------------------------------ against transformers
 
 

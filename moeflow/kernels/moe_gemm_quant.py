@@ -23,8 +23,9 @@ FP8 (W8A8), per the DeepSeek recipe and moeflow.quant.formats.quantize_fp8_activ
                (BN a multiple of G, so every group of I is whole inside one program)
     down       y = sum_kt dot_fp8(aq tile, Wq tile) * as[row, kt] * ws[col, kt]  (split-K parts)
 Every dot is fp8 x fp8 with f32 accumulation over one K tile; the scaled tiles are summed in f32.
-(Not the FP8 accuracy miss on the H200: gate_up's dots run on fp16 operands (exact e4m3 values)
-gave the same rel-L2 against the W8A8 reference to 3 digits, 2026-12-03, at 0.6x the speed.)
+(The FP8 accuracy miss on the H200 was the reference's CUDA division, not these kernels: see
+moeflow.quant.formats.div_by_const. BM = 16 tiles compile the fp8 dots to fp16 mma.sync, BM >= 64
+to fp8 wgmma: both agreed with each other to 3 digits against the old reference.)
 
 FP4 (W4A16: Hopper has no FP4 MMA): each packed tile is dequantized in the load path to the
 activations' dtype (bf16 / fp16) and fed to a bf16 / fp16 dot with f32 accumulation. MXFP4
