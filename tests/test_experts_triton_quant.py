@@ -189,9 +189,8 @@ def test_names_and_formats():
 
     assert TritonQuantExperts(fp8=True).name == "triton_quant"
     assert TritonQuantExperts(batch_invariant=True, fp8=True).name == "triton_quant_bi"
-    assert TritonQuantExperts.quant_formats == ("fp8_block", "mxfp4", "nvfp4")
-    assert TritonQuantExperts().quant_formats == ("fp8_block", "mxfp4", "nvfp4")
-    assert TritonQuantExperts(fp8=False).quant_formats == ("mxfp4", "nvfp4")  # FP8 left to the reference
+    assert TritonQuantExperts.quant_formats == ("mxfp4", "nvfp4")  # FP8 opt-in until the H200 confirms the fix
+    assert TritonQuantExperts(fp8=True).quant_formats == ("fp8_block", "mxfp4", "nvfp4")
     with pytest.raises(TypeError, match="batch_invariant"):
         TritonQuantExperts(batch_invariant=1)
 
@@ -657,7 +656,7 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
         pytest.fail("select does not register triton_quant")
     from moeflow.layer import MoELayer
 
-    # "auto" picks the fused kernels for MXFP4 (weight-only) and FP8 (W8A8).
+    # "auto" picks the fused kernels for MXFP4 (weight-only); FP8 stays on the reference (opt-in).
     cfg, wq = make_quant_case("mxfp4", 16, 320, 288, 4, "gptoss", "matmul", True, True, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     router_w = torch.randn(16, 320, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
@@ -674,15 +673,8 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
     cfg8, wq8 = make_quant_case("fp8", 16, 256, 128, 4, "silu", device="cuda")
     layer8 = MoELayer(cfg8, router_weight_EH=torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=g),
                       experts=wq8, experts_impl="auto")
-    x8 = torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, generator=g)
-    out8 = layer8(x8)
-    assert layer8.impl_name == "triton_quant"
-    ref8 = MoELayer(cfg8, router=layer8.router_weights, experts=wq8, experts_impl="reference")
-    # W8A8 against weight-only dequantized f32: the activation quantization's own error (~4e-2 rel-L2
-    # at the bench shapes, RESULTS.md); a wrong scale or tile would be >= 1e-1. Exactness against the
-    # W8A8 reference is test_gpu_matches_reference's.
-    check_close(out8, ref8(x8).float(), "MoELayer fp8 auto (W8A8) vs reference (dequantized)", tol_rel_l2=8e-2,
-                elementwise=False)
+    layer8(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, generator=g))
+    assert layer8.impl_name == "reference"  # FP8 opt-in until the H200 confirms the reference fix
 
 
 if __name__ == "__main__":

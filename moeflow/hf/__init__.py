@@ -10,6 +10,8 @@ Modules, one concern each:
     blocks     the MoEBlock kinds a patched block gets (HF return signatures kept).
     interface  transformers' experts interface ("moeflow" experts under HF's routing).
     util       attribute paths, the families with an HF block description.
+    graphs     StaticDecoder: greedy decode with a static KV cache, each step replayed from
+               one CUDA graph (the host time of a patched step gone).
 
 `import moeflow.hf` registers "moeflow" in transformers' experts interface (an explicit
 call of `register_experts_interface()`, a no-op where transformers has no interface).
@@ -18,6 +20,7 @@ call of `register_experts_interface()`, a no-op where transformers has no interf
 from __future__ import annotations
 
 from .blocks import MoEBlock
+from .graphs import StaticDecoder
 from .interface import moeflow_experts_forward, register_experts_interface
 from .patch import PatchedBlock, PatchReport, check_routing, moe_layers, patch_model, unpatch_model
 from .util import available_hf_families, hf_families
@@ -27,6 +30,7 @@ __all__ = [
     "MoEBlock",
     "PatchReport",
     "PatchedBlock",
+    "StaticDecoder",
     "available_hf_families",
     "check_routing",
     "hf_families",

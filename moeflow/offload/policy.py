@@ -337,33 +337,49 @@ class Adaptive:
 
     def _hit_stats(self, key: Key) -> tuple[float, float]:
         """(P_hit, E_t) of `key` (see the class doc); the learner's counts."""
+        terms = self._visit_terms(key)
+        if terms is None:
+            return 0.0, 1.0  # a layer never served: nothing known, nothing wanted
+        d, T, n, L, hazard = terms
+        surv, p_hit, e_t = 1.0, 0.0, 0.0
+        for i in range(n):
+            h = hazard(i)
+            q = surv * h
+            p_hit += q
+            e_t += q * (d + i * L)
+            surv *= 1.0 - h
+        return p_hit, e_t + surv * T
+
+    def _visit_terms(self, key: Key):
+        """(d, T, n, L, hazard(i)) of `key` from the learner, or None for a layer never served.
+
+        d: steps to the key's layer's next visit; T: the horizon (>= d); n: visits within it, capped
+        at max_visits (past it the key counts as unused until T); hazard(i): P(used at visit i | not
+        before), the next-layer predictor's rank precision standing in at the next visit.
+        """
         m = self._learner
         j = key[0]
         if j >= m.L:
-            return 0.0, 1.0  # a layer never served: nothing known, nothing wanted
+            return None
         L = m.L
         d = (j - m.cur - 1) % L + 1
         u = m.last_use.get(key)
         a = m.A if u is None else min(m.visits[j] + 1 - u, m.A)
         b = m.bucket.get(key, 0)
         T = max(m.horizon(), float(d))
-        # visits within the horizon, capped: past max_visits the key counts as unused until T
         n = min(max(1, int((T - d) // L) + 1), m.max_visits)
-        surv, p_hit, e_t = 1.0, 0.0, 0.0
-        for i in range(n):
+
+        def hazard(i: int) -> float:
             h = m._hazard(j, b, a + i)
             if i == 0 and d == 1 and m._rank:
                 r = m._rank.get(key)
                 if r is not None:
-                    h = m._rank_precision(r)
-                else:
-                    miss = (1.0 - m.rec_u / m.rec_n) / max(1e-6, 1.0 - m.pred_share)
-                    h = min(1.0, h * miss)
-            q = surv * h
-            p_hit += q
-            e_t += q * (d + i * L)
-            surv *= 1.0 - h
-        return p_hit, e_t + surv * T
+                    return m._rank_precision(r)
+                miss = (1.0 - m.rec_u / m.rec_n) / max(1e-6, 1.0 - m.pred_share)
+                return min(1.0, h * miss)
+            return h
+
+        return d, T, n, L, hazard
 
     def use_probability(self, key: Key) -> float:
         """P(`key` is used within the horizon, up to max_visits visits of its layer)."""
@@ -447,27 +463,14 @@ class AdaptiveLong(Adaptive):
         evictions per step), every key scores ~0 within it and a one-shot key, whose hazard is small
         but not 0, would outrank a key certain to be used just past the horizon (measured:
         tests/test_offload_policy.py's one-shot trace, where Adaptive evicts the hot experts)."""
-        m = self._learner
-        j = key[0]
-        if j >= m.L:
+        terms = self._visit_terms(key)
+        if terms is None:
             return 0.0
-        L = m.L
-        d = (j - m.cur - 1) % L + 1
-        u = m.last_use.get(key)
-        a = m.A if u is None else min(m.visits[j] + 1 - u, m.A)
-        b = m.bucket.get(key, 0)
-        T = max(m.horizon(), float(d))
-        n = min(max(1, int((T - d) // L) + 1), m.max_visits)
+        d, T, n, L, hazard = terms
+        m = self._learner
         surv, p_hit, e_t, near = 1.0, 0.0, 0.0, 0.0
         for i in range(m.max_visits):
-            h = m._hazard(j, b, a + i)
-            if i == 0 and d == 1 and m._rank:
-                r = m._rank.get(key)
-                if r is not None:
-                    h = m._rank_precision(r)
-                else:
-                    miss = (1.0 - m.rec_u / m.rec_n) / max(1e-6, 1.0 - m.pred_share)
-                    h = min(1.0, h * miss)
+            h = hazard(i)
             q = surv * h
             p_hit += q
             e_t += q * (d + i * L)
