@@ -16,9 +16,11 @@ The recipe, and the two traps it avoids:
     (`cumulative_length`, advanced in place by every update), not at `cache_position`. The
     warm-up step that must run before a capture (kernel compiles, lazy buffers) advances it,
     so a recipe that does not rewind it writes every replayed step one slot late: the replays
-    then attend to a stale copy of an earlier token and the tokens drift from eager from the
-    second step on (seen at batch 16 on the H200, transformers 5.17). The counters are
+    then attend to a stale copy of an earlier token instead of their own. The counters are
     snapshot before the warm-up and restored after it, and rewound to 0 at each generate.
+    (An earlier manual recipe with neither the rewind nor the mask gave tokens that drifted
+    from eager at batch 16 on the H200, transformers 5.17; with both, tokens equal eager at
+    batch 1 and 16 on the real-shape models of benchmarks/bench_e2e.py.)
   * A model offloaded with `OffloadConfig(sync_free=True)` fills its expert cache in
     `runtime.refill()`, which no replay runs: it is called before every replay.
 
