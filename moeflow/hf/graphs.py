@@ -94,6 +94,13 @@ class StaticDecoder:
         if not isinstance(graph, bool):
             raise TypeError(f"StaticDecoder.graph={graph!r}: expected a bool")
         device = next(model.parameters()).device
+        cache = _static_cache(model, batch_size, max_len)
+        sliding = sorted({type(la).__name__ for la in getattr(cache, "layers", []) if getattr(la, "is_sliding", False)})
+        if graph and sliding:
+            # their update keeps a host-side int position a replay would never advance
+            raise ValueError(f"StaticDecoder.graph=True: the static cache has sliding-window layers {sliding} "
+                             f"(model.config.sliding_window={getattr(model.config, 'sliding_window', None)!r}); "
+                             f"expected full-attention layers only (or graph=False)")
         if graph and device.type != "cuda":
             raise ValueError(f"StaticDecoder.graph=True: the model is on {device}; CUDA graphs need a CUDA model "
                              f"(or graph=False)")
@@ -103,13 +110,7 @@ class StaticDecoder:
                              f"(the other paths build masks on the host, which a capture refuses)")
         self.model, self.batch_size, self.max_len, self.graph = model, batch_size, max_len, graph
         self.device = device
-        self.cache = _static_cache(model, batch_size, max_len)
-        sliding = sorted({type(la).__name__ for la in getattr(self.cache, "layers", []) if getattr(la, "is_sliding", False)})
-        if graph and sliding:
-            # their update keeps a host-side int position a replay would never advance
-            raise ValueError(f"StaticDecoder.graph=True: the static cache has sliding-window layers {sliding} "
-                             f"(model.config.sliding_window={getattr(model.config, 'sliding_window', None)!r}); "
-                             f"expected full-attention layers only (or graph=False)")
+        self.cache = cache
         self.tok_B1 = torch.zeros(batch_size, 1, dtype=torch.long, device=device)
         self.pos_1 = torch.zeros(1, dtype=torch.long, device=device)
         self.mask_BM = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
