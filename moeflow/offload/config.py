@@ -90,8 +90,8 @@ class OffloadConfig:
                     their slots (needs gpu_slots >= min(E, sync_free_tokens * K)); with
                     "random_oldest" it copies them into staging slots and the cache refills a
                     step later from ids read back without waiting (event queries), which moves
-                    each miss twice. Bit-identical to the resident model. A step of more than `sync_free_tokens` tokens (a prefill) runs the
-                    synchronous path. Needs store "pinned"/"auto" (a packed pinned copy), Triton
+                    each miss twice. Bit-identical to the resident model. A step of more than
+                    `sync_free_tokens` tokens (a prefill) runs the synchronous path. Needs store "pinned"/"auto" (a packed pinned copy), Triton
                     on a CUDA cache (the CPU runs a torch version of the same step), policy
                     "lru" or "random_oldest", prefetch_width=0, cpu_experts="off", no zero experts
                     and no expert parallelism; anything else is refused with a ValueError.

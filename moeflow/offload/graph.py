@@ -292,12 +292,8 @@ class SyncFreeOffload:
         # policy "lru": the admit kernel evicts and loads on the device (no staging rows, no refill
         # copies: a miss crosses PCIe once); else misses are staged and the host policy refills lagged
         self.device_lru = config.policy == "lru"
+        # Z >= this under device admission is checked by attach's _check_sync_free, before any layer changes
         self.max_step_experts = min(E_max, self.ncap)
-        if self.device_lru and self.Z < self.max_step_experts:
-            raise ValueError(
-                f"OffloadConfig.gpu_slots={self.Z}: sync_free=True with policy 'lru' admits a step's experts into the "
-                f"cache on the device, up to min(E={E_max}, sync_free_tokens*K={self.ncap}) = {self.max_step_experts} "
-                f"at once; expected gpu_slots >= {self.max_step_experts} (or policy='random_oldest')")
         self.num_staging = 0 if self.device_lru else self.max_step_experts
         self.P = self.Z + self.num_staging
         # 0xFF bytes: a row never loaded reads NaN (floats) / -1, loud if a bug ever read it
@@ -398,7 +394,7 @@ class SyncFreeOffload:
         stage_torch(experts, self.store.packed[pos], self.pool, self.Z)
         return remap
 
-    def _admit(self, pos: int, flat: torch.Tensor, log: torch.Tensor, advance: int = 1) -> torch.Tensor:
+    def _admit(self, pos: int, flat: torch.Tensor, log: torch.Tensor) -> torch.Tensor:
         """remap_N int32 [N]: layer `pos`'s experts admitted into the cache on the device (LRU), misses copied."""
         E = self.store.num_experts[pos]
         if self.use_triton:
@@ -407,10 +403,10 @@ class SyncFreeOffload:
             remap = torch.empty(flat.shape[0], dtype=torch.int32, device=self.device)
             jobs = torch.empty(1 + 2 * self.max_step_experts, dtype=torch.int32, device=self.device)
             admit_launch(flat, self.lut, self.slot_key, self.stamp, self.clock, self._host32[pos], self._pool32,
-                         remap, jobs, log, layer=pos, ncap=self.ncap, programs=self.programs, advance=advance)
+                         remap, jobs, log, layer=pos, ncap=self.ncap, programs=self.programs)
             return remap
         remap, experts, rows = admit_torch(flat, pos, self.lut, self.slot_key, self.stamp, self.clock, E, self.P,
-                                           self.ncap, log, advance)
+                                           self.ncap, log)
         stage_torch(experts, self.store.packed[pos], self.pool, self.Z, rows)
         return remap
 
