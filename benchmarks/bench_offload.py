@@ -354,6 +354,8 @@ def cpu_experts_rows(shape: str, L: int, args, device: str, layers, store, xs, r
                     raise SystemExit(f"{shape} slots={slots} cpu_experts={mode}: non-finite output")
                 for i in range(max(args.warmup, math.ceil(2 * slots / (L * K)))):
                     decode(layers, warm_xs[i % len(warm_xs)])
+                if mode == "auto" and rt.bandwidths is None:
+                    rt.measure_bandwidths()  # else the cost model measures at its first choice, timed
                 if device == "cuda":
                     torch.cuda.synchronize()
                 rt.reset_stats()

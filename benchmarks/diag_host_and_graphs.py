@@ -24,7 +24,7 @@ except ImportError:  # pragma: no cover - CPU-only machines
     tl = None
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-SECTIONS = ("launch", "layer", "graphs")
+SECTIONS = ("launch", "layer", "ops", "graphs")
 
 
 def section(s):
@@ -154,6 +154,86 @@ def layer_host_time():
             print(sio.getvalue()[-6000:])
 
 
+def layer_ops():
+    """Every aten op and Triton launch one patched layer step issues (qwen3 / deepseek-v3 shapes, T=1, 2048).
+
+    Host time per layer is ~15 us per torch op and ~29 us per Triton launch on the GPU machine's
+    host, so the list says where a host-bound layer's time goes.
+    """
+    from collections import Counter
+
+    import transformers
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from triton.runtime.jit import JITFunction
+
+    import moeflow
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func.overloadpacket.__name__))
+            return func(*args, **(kwargs or {}))
+
+    launches = []
+    orig_run = JITFunction.run
+
+    def run(self, *a, **k):
+        launches.append(self.fn.__name__)
+        return orig_run(self, *a, **k)
+
+    cfgs = {
+        "qwen3": transformers.Qwen3MoeConfig(
+            vocab_size=4096, num_hidden_layers=1, hidden_size=2048, moe_intermediate_size=768, num_experts=128,
+            num_experts_per_tok=8, num_attention_heads=32, num_key_value_heads=4, head_dim=128,
+            intermediate_size=6144, norm_topk_prob=True),
+        "deepseek_v3": transformers.DeepseekV3Config(
+            vocab_size=4096, num_hidden_layers=1, first_k_dense_replace=0, hidden_size=7168,
+            moe_intermediate_size=2048, n_routed_experts=256, n_shared_experts=1, num_experts_per_tok=8,
+            n_group=8, topk_group=4, num_attention_heads=8, num_key_value_heads=8, q_lora_rank=128,
+            kv_lora_rank=128, qk_rope_head_dim=64, qk_nope_head_dim=64, v_head_dim=64, intermediate_size=4096),
+    }
+    for name, cfg in cfgs.items():
+        torch.manual_seed(0)
+        with torch.device("cuda"):
+            model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+        moeflow.patch_model(model, experts="triton")
+        from moeflow.hf.patch import MoEBlock
+
+        hf_block = [m for m in model.modules() if isinstance(m, MoEBlock)]
+        block = hf_block[0].moe_layer
+        for T in (1, 2048):
+            x = torch.randn(1, T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
+            for who, mod in (("MoELayer", block), ("HF block", hf_block[0] if hf_block else None)):
+                if mod is None:
+                    continue
+                with torch.no_grad():
+                    for _ in range(3):
+                        mod(x if who == "HF block" else x[0])
+                    torch.cuda.synchronize()
+                    launches.clear()
+                    JITFunction.run = run
+                    try:
+                        with Ops() as ops:
+                            mod(x if who == "HF block" else x[0])
+                    finally:
+                        JITFunction.run = orig_run
+                    torch.cuda.synchronize()
+                    t0 = time.perf_counter()
+                    for _ in range(30):
+                        mod(x if who == "HF block" else x[0])
+                    host = (time.perf_counter() - t0) / 30 * 1e6
+                    torch.cuda.synchronize()
+                c = Counter(ops.ops)
+                print(f"{name} {who} T={T}: host {host:.0f} us, {len(ops.ops)} aten ops, {len(launches)} triton "
+                      f"launches {launches}")
+                print("   aten:", dict(c.most_common()))
+        del model
+        torch.cuda.empty_cache()
+
+
 # ---------------------------------------------------------------- (1) CUDA graph batch 16
 def _make_model(tiny_model, patch, experts="triton", **kw):
     import moeflow
@@ -210,6 +290,9 @@ def main(argv=None):
     if "layer" in args.sections:
         section("MoE layer host time, qwen3 shape, T=1 and T=2048")
         layer_host_time()
+    if "ops" in args.sections:
+        section("aten ops and Triton launches of one patched layer step")
+        layer_ops()
     if "graphs" in args.sections:
         section("cuda graph decode batch 16")
         for batch in (1, 16):

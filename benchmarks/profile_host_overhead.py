@@ -43,7 +43,10 @@ def main(argv=None) -> int:
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--T", type=int, default=2048)
     ap.add_argument("--experts", default="auto")
-    ap.add_argument("--top", type=int, default=30)
+    ap.add_argument("--top", type=int, default=30, help="cProfile rows to print (0: no cProfile)")
+    ap.add_argument("--floor", action="store_true",
+                    help="also time the model with every MoE block replaced by an identity: the wall time no "
+                         "MoE implementation can beat in eager mode (the rest of the model's host and GPU time)")
     args = ap.parse_args(argv)
     cls, kw = SHAPES[args.shape]
     cfg = getattr(transformers, cls)(vocab_size=4096, num_hidden_layers=args.layers, **kw)
@@ -78,6 +81,15 @@ def main(argv=None) -> int:
     print(f"  hf       wall {wall_ms():8.2f} ms   gpu {gpu_ms():8.2f} ms")
     moeflow.patch_model(model, experts=args.experts)
     print(f"  moeflow  wall {wall_ms():8.2f} ms   gpu {gpu_ms():8.2f} ms")
+    if args.floor:
+        mlps = [layer.mlp for layer in model.model.layers]
+        for layer in model.model.layers:
+            layer.mlp = torch.nn.Identity()
+        print(f"  no-MoE   wall {wall_ms():8.2f} ms   gpu {gpu_ms():8.2f} ms   (every MoE block an identity)")
+        for layer, mlp in zip(model.model.layers, mlps):
+            layer.mlp = mlp
+    if args.top <= 0:
+        return 0
     fwd()
     torch.cuda.synchronize()
     pr = cProfile.Profile()

@@ -189,8 +189,15 @@ def test_names_and_formats():
 
     assert TritonQuantExperts(fp8=True).name == "triton_quant"
     assert TritonQuantExperts(batch_invariant=True, fp8=True).name == "triton_quant_bi"
-    assert TritonQuantExperts.quant_formats == ("mxfp4", "nvfp4")  # FP8 opt-in until the H200 confirms the fix
+    assert TritonQuantExperts.quant_formats == ("fp8_block", "mxfp4", "nvfp4")
     assert TritonQuantExperts(fp8=True).quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    assert TritonQuantExperts(fp8=False).quant_formats == ("mxfp4", "nvfp4")
+    assert TritonQuantExperts().quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    # batch-invariant FP8 stays opt-in (TritonQuantExperts.quant_formats' comment says why)
+    assert TritonQuantExperts(batch_invariant=True).quant_formats == ("mxfp4", "nvfp4")
+    assert TritonQuantExperts(batch_invariant=True, fp8=True).quant_formats == ("fp8_block", "mxfp4", "nvfp4")
+    with pytest.raises(TypeError, match="fp8"):
+        TritonQuantExperts(fp8=1)
     with pytest.raises(TypeError, match="batch_invariant"):
         TritonQuantExperts(batch_invariant=1)
 
@@ -563,8 +570,16 @@ GPU_TOKENS = (1, 7, 64, 257, 1000)
 # H, T = 1 / 2 / 4 / 8 / 16, against the H200's 0.0103 / 0.0071 / 0.0126 / 0.0144 / 0.0157).
 # moeflow.quant.formats.div_by_const now divides exactly on every device; the CPU interpreter
 # check "fp8_stages" and tests/test_quant.py::test_quantizers_same_numbers_under_cuda_scalar_division
-# catch a regression. Expected here after the fix: ~2-4e-3. Not yet re-run on the H200 when the
-# xfail was lifted: if a case still fails, run benchmarks/diag_fp8_stages.py (per-stage errors).
+# catch a regression. Measured on the H200 after the fix (2026-12-03): every case within 1e-2 in
+# both modes (default 1.6e-3 .. 2.4e-3) but one: batch-invariant FP8 at T = 1 of the E=8 H=256
+# I=256 case, 2.6e-2 (see FP8_BI_MISS).
+
+# The one FP8 miss left (2026-12-03, H200): the batch-invariant tiles (BM = 64, fp8 wgmma) on one
+# token of this case give rel-L2 2.6e-2 (K = 1) / 2.3e-2 (K = 2) where BM = 16 tiles give 1.7e-3;
+# weight_on_input and the layout do not matter, T = 7 and 64 agree (2e-3 .. 4e-3). Not explained
+# yet (benchmarks/diag_fp8_stages.py --woi has the bisection), so TritonQuantExperts(batch_invariant=
+# True) keeps FP8 opt-in and this case's batch-invariant check is a strict xfail below.
+FP8_BI_MISS = ("fp8", 8, 256, 256, 1, "silu", "matmul", False, False, True)
 
 
 @gpu
@@ -573,8 +588,21 @@ GPU_TOKENS = (1, 7, 64, 257, 1000)
 def test_gpu_matches_reference(case):
     from moeflow.experts.triton_quant import TritonQuantExperts
 
-    impls = [("default", TritonQuantExperts(fp8=True)), ("batch_invariant", TritonQuantExperts(batch_invariant=True, fp8=True))]
+    impls = [("default", TritonQuantExperts(fp8=True))]
+    if case != FP8_BI_MISS:
+        impls.append(("batch_invariant", TritonQuantExperts(batch_invariant=True, fp8=True)))
     check_cases([case], "cuda", torch.bfloat16, GPU_TOKENS, impls, 1e-2, 1e-2, elementwise=True)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.xfail(strict=True, reason="batch-invariant FP8 at T=1 of this case: rel-L2 2.6e-2 on the H200 "
+                                       "(FP8_BI_MISS); FP8 is opt-in in that mode until it is explained")
+def test_gpu_fp8_batch_invariant_known_miss():
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    impls = [("batch_invariant", TritonQuantExperts(batch_invariant=True, fp8=True))]
+    check_cases([FP8_BI_MISS], "cuda", torch.bfloat16, GPU_TOKENS, impls, 1e-2, 1e-2, elementwise=True)
 
 
 @gpu
@@ -656,7 +684,7 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
         pytest.fail("select does not register triton_quant")
     from moeflow.layer import MoELayer
 
-    # "auto" picks the fused kernels for MXFP4 (weight-only); FP8 stays on the reference (opt-in).
+    # "auto" picks the fused kernels for MXFP4 (W4A16) and FP8 (W8A8).
     cfg, wq = make_quant_case("mxfp4", 16, 320, 288, 4, "gptoss", "matmul", True, True, device="cuda")
     g = torch.Generator(device="cuda").manual_seed(0)
     router_w = torch.randn(16, 320, device="cuda", dtype=torch.bfloat16, generator=g) * 0.1
@@ -673,8 +701,14 @@ def test_gpu_moe_layer_auto_picks_triton_quant():
     cfg8, wq8 = make_quant_case("fp8", 16, 256, 128, 4, "silu", device="cuda")
     layer8 = MoELayer(cfg8, router_weight_EH=torch.randn(16, 256, device="cuda", dtype=torch.bfloat16, generator=g),
                       experts=wq8, experts_impl="auto")
-    layer8(torch.randn(3, 256, device="cuda", dtype=torch.bfloat16, generator=g))
-    assert layer8.impl_name == "reference"  # FP8 opt-in until the H200 confirms the reference fix
+    for T in (3, 70):
+        x8 = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16, generator=g)
+        out8 = layer8(x8)
+        assert layer8.impl_name == "triton_quant"
+        r = layer8.last_routing
+        ref8, _ = reference_quant(x8, r.ids_TK, r.weights_TK, wq8, cfg8)
+        check_close(out8, ref8, f"MoELayer fp8 T={T} auto vs the W8A8 reference", tol_rel_l2=1e-2,
+                    elementwise=False)
 
 
 if __name__ == "__main__":

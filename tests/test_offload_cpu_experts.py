@@ -261,6 +261,13 @@ def test_config_and_attach_errors():
     rt = attach_offload(list(off), OffloadConfig(gpu_slots=4, device="cpu", cpu_experts="auto"), progress=False)
     with pytest.raises(ValueError, match="set_bandwidths: pcie_Bps=0"):
         rt.set_bandwidths(1e9, 0)
+    assert rt.bandwidths is None
+    cpu_Bps, pcie_Bps = rt.measure_bandwidths()  # measured now, kept for the cost model
+    assert rt.bandwidths == (cpu_Bps, pcie_Bps) and 0 < cpu_Bps < math.inf and 0 < pcie_Bps < math.inf
+    _, off_plain = _pair("mixtral")
+    rt_off = attach_offload(list(off_plain), OffloadConfig(gpu_slots=4, device="cpu"), progress=False)
+    with pytest.raises(ValueError, match="measure_bandwidths: OffloadConfig.cpu_experts='off'"):
+        rt_off.measure_bandwidths()
     # quantized experts are refused by name (the store says it holds a quant format)
     store = ExpertStore.from_weights([m.expert_weights for m in ref], mode="model", progress=False)
     store.quant = type("Q", (), {"format": "fp8_block"})()

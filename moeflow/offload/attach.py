@@ -304,6 +304,22 @@ class OffloadRuntime:
                 raise ValueError(f"set_bandwidths: {name}={v!r}, expected a number of bytes/s > 0")
         self.bandwidths = (float(cpu_Bps), float(pcie_Bps))
 
+    def measure_bandwidths(self, impl=None) -> tuple[float, float]:
+        """Measure (B_cpu, B_pcie) in bytes/s now (moeflow.offload.cpu_experts.measure_bandwidths)
+        and keep them for the cost model. Without this call (or set_bandwidths) "auto" measures
+        them at its first step that has a choice to make: a one-off pause of a few milliseconds
+        per expert size, which a caller timing its steps wants out of the timed region."""
+        if self.config.cpu_experts == "off":
+            raise ValueError("measure_bandwidths: OffloadConfig.cpu_experts='off' has no cost model; "
+                             "expected 'auto' or 'always'")
+        if impl is None:
+            from ..experts.select import get_impl
+
+            impl = self.cpu_impl if self.cpu_impl is not None else get_impl("reference")
+        self.bandwidths = measure_bandwidths(self.store, self._cpu_impl_for(impl), self.layers[0].config,
+                                             self.device)
+        return self.bandwidths
+
     def _cpu_impl_for(self, impl):
         if self.cpu_impl is not None:
             return self.cpu_impl
