@@ -292,7 +292,7 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes", "gemv"])
+@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes", "gemv", "fp8_bi_tiles"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -514,6 +514,26 @@ def check_fp8_stages(device, dtype, impls, ref_context) -> None:
             assert r["out_rel_l2"] <= out_tol, f"{what}: output rel-L2 {r['out_rel_l2']:.3e} > {out_tol}: {r}"
 
 
+def check_fp8_bi_miss_logic() -> None:
+    """FP8_BI_MISS's case on the GPU's batch-invariant tiles (BM = 64, BN = BK = 128), not the
+    interpreter's narrow ones: the kernels' logic at those tiles is right (measured 1.66e-3 in bf16,
+    as BM = 16 gives), so the H200's 2.6e-2 comes from the sm_90 compile, not from the kernels."""
+    import dataclasses
+
+    from moeflow.experts.triton_quant import TritonQuantExperts, quant_tile_config
+
+    fmt, E, H, I, K, act, layout, il, bias, woi = FP8_BI_MISS
+    cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, weight_on_input=woi)
+    bi = quant_tile_config("fp8_block", 128, E, H, I, K, 1, batch_invariant=True)
+    assert bi.block_m == 64 and bi.gate_up.block_n == 128, bi  # the tiles the H200 ran
+    x, ids, wts = make_tokens(1, H, E, K, torch.bfloat16, "cpu")
+    ref, _ = reference_quant(x, ids, wts, wq, cfg)
+    for tiles in (bi, dataclasses.replace(bi, block_m=16)):
+        out = TritonQuantExperts(tile_config=tiles, allow_cpu=True).forward_tokens(x, ids, wts, wq, cfg)
+        check_close(out, ref, f"fp8 bi-miss case under the interpreter, BM={tiles.block_m}", tol_rel_l2=3e-3,
+                    elementwise=False)
+
+
 def _interp_main(check: str) -> None:
     from moeflow.experts.triton_quant import TritonQuantExperts
     from moeflow.testing import cuda_scalar_division
@@ -538,6 +558,8 @@ def _interp_main(check: str) -> None:
     elif check == "gemv":
         check_fp4_decode_every_byte()
         check_gemv("cpu", torch.float16, 3e-3)
+    elif check == "fp8_bi_tiles":
+        check_fp8_bi_miss_logic()
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")
@@ -576,7 +598,9 @@ GPU_TOKENS = (1, 7, 64, 257, 1000)
 
 # The one FP8 miss left (2026-12-03, H200): the batch-invariant tiles (BM = 64, fp8 wgmma) on one
 # token of this case give rel-L2 2.6e-2 (K = 1) / 2.3e-2 (K = 2) where BM = 16 tiles give 1.7e-3;
-# weight_on_input and the layout do not matter, T = 7 and 64 agree (2e-3 .. 4e-3). Not explained
+# weight_on_input and the layout do not matter, T = 7 and 64 agree (2e-3 .. 4e-3), and the same call
+# with the same forced tiles under the Triton interpreter gives 1.66e-3 (the logic is right; the sm_90
+# compile of BM = 64 fp8 tiles differs). Not explained
 # yet (benchmarks/diag_fp8_stages.py --woi has the bisection), so TritonQuantExperts(batch_invariant=
 # True) keeps FP8 opt-in and this case's batch-invariant check is a strict xfail below.
 FP8_BI_MISS = ("fp8", 8, 256, 256, 1, "silu", "matmul", False, False, True)
