@@ -17,7 +17,9 @@ then the same instance converted in place to fp32 for the reference; deepseek-v3
 an H200): the chosen L and the bytes are printed and stored in the JSON meta.
 
 Variants (--variants, default hf,auto,triton_bi), all on the *same model instance*: "hf" is the model
-as built (its default experts implementation, recorded as `hf_experts_implementation`); any other
+as built (its default experts implementation, recorded as `hf_experts_implementation`); "no_moe"
+(prefill points only) puts a module that returns its input in place of every MoE block, so its row
+is the rest of the model's wall time, a floor no MoE implementation beats in eager mode; any other
 name X is `moeflow.patch_model(model, experts=X)` before the point and `moeflow.unpatch_model(model)`
 after it (the weights are shared, never copied).
 
@@ -215,8 +217,47 @@ def build_model(cfg, device: torch.device, dtype: torch.dtype, seed: int):
 
 
 # --------------------------------------------------------------------------- variants
+# "no_moe" (prefill points only): every MoE block replaced by a module that hands its input back, so
+# the row is the wall time of everything else in the model (attention, norms, embedding, LM head,
+# transformers' own host work): a floor no MoE implementation can beat in eager mode.
+NO_MOE = "no_moe"
+NO_MOE_KINDS = ("prefill",)
+
+
+class _NoMoE(torch.nn.Module):
+    """Stands in for an MoE block: returns x, in the block's output structure (a tensor, or a tuple
+    whose first item is the hidden states, e.g. gpt-oss's (out, router_scores); the rest None)."""
+
+    def __init__(self, block: torch.nn.Module, tuple_len: int):
+        super().__init__()
+        self.block = [block]  # kept out of the module tree, put back by remove_variant
+        self.tuple_len = tuple_len
+
+    def forward(self, x, *args, **kwargs):
+        return x if not self.tuple_len else (x,) + (None,) * (self.tuple_len - 1)
+
+
+def _install_no_moe(model) -> None:
+    for block, *_ in _blocks(model):
+        path = next(n for n, m in model.named_modules() if m is block)
+        parent, _, attr = path.rpartition(".")
+        owner = model.get_submodule(parent) if parent else model
+        p = next(block.parameters())
+        out = block(torch.zeros(1, 1, model.config.hidden_size, dtype=p.dtype, device=p.device))
+        setattr(owner, attr, _NoMoE(block, len(out) if isinstance(out, tuple) else 0))
+
+
+def _remove_no_moe(model) -> None:
+    for name, m in list(model.named_modules()):
+        if isinstance(m, _NoMoE):
+            parent, _, attr = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, attr, m.block[0])
+
+
 def apply_variant(model, variant: str) -> None:
-    if variant != "hf":
+    if variant == NO_MOE:
+        _install_no_moe(model)
+    elif variant != "hf":
         import moeflow
 
         moeflow.patch_model(model, experts=variant)
@@ -225,11 +266,14 @@ def apply_variant(model, variant: str) -> None:
 def remove_variant(model) -> None:
     from moeflow.hf import MoEBlock, unpatch_model
 
+    _remove_no_moe(model)
     if any(isinstance(m, MoEBlock) for m in model.modules()):
         unpatch_model(model)
 
 
 def variant_impl(model, variant: str) -> str:
+    if variant == NO_MOE:
+        return "none (MoE blocks return their input)"
     if variant == "hf":
         return "hf:" + str(getattr(model.config, "_experts_implementation", None))
     from moeflow.hf import moe_layers
@@ -770,6 +814,8 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
             continue
         t_point = time.time()
         for variant in args.variants_list:
+            if variant == NO_MOE and kind not in NO_MOE_KINDS:
+                continue  # a model without its MoE blocks has no decode, accuracy or profile worth a row
             n_rows = len(run.rows)
             try:
                 apply_variant(shape.model, variant)
@@ -977,7 +1023,8 @@ def parse_args(argv=None):
     ap.add_argument("--decode-batches", default=None, help="comma list (1,16,64)")
     ap.add_argument("--prefill-T", default=None, help="comma list (512,2048,8192; quick 2048,8192)")
     ap.add_argument("--variants", default="hf,auto,triton_bi",
-                    help="hf = unpatched; any other name is patch_model(model, experts=name)")
+                    help="hf = unpatched; no_moe = every MoE block returns its input (prefill only: the "
+                         "floor of the rest of the model); any other name is patch_model(model, experts=name)")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per generate (32; quick 16)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens for generate (32)")
     ap.add_argument("--accuracy-T", type=int, default=None, help="tokens of the accuracy forward (256)")

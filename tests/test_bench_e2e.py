@@ -13,7 +13,7 @@ SHAPES = {"qwen3-30b-a3b", "mixtral-8x7b", "deepseek-v3", "gpt-oss-120b"}
 def test_tiny_cpu_run_writes_sane_json(tmp_path):
     out, md = tmp_path / "e2e.json", tmp_path / "e2e.md"
     cmd = [sys.executable, "benchmarks/bench_e2e.py", "--cpu", "--tiny", "--out", str(out), "--md", str(md),
-           "--time-budget-s", "90"]
+           "--time-budget-s", "90", "--variants", "hf,auto,triton_bi,no_moe"]
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     data = json.loads(out.read_text())
@@ -67,6 +67,12 @@ def test_tiny_cpu_run_writes_sane_json(tmp_path):
         # the Triton variant cannot run on the CPU: recorded as an error, and the run went on
         bi = [r for r in rows if r["shape"] == shape and r["variant"] == "triton_bi"]
         assert bi and all(r["status"].startswith("error") for r in bi)
+        # no_moe: prefill rows only (the rest of the model's time), and the blocks came back after it
+        # (every later hf / auto point above ran on the real blocks: auto's tokens equal hf's)
+        floor = [r for r in rows if r["shape"] == shape and r["variant"] == "no_moe"]
+        assert floor and {r["metric"] for r in floor} <= {"prefill_tok_s", "prefill_ms"}, floor
+        assert all(r["status"] == "ok" and r["value"] > 0 for r in floor), floor
+        assert meta["shapes"][shape]["variant_impl"]["no_moe"].startswith("none"), shape
     text = md.read_text()
     assert "| qwen3-30b-a3b | 2 | auto |" in text and "×" in text
 
