@@ -167,6 +167,7 @@ def layer_ops():
     from triton.runtime.jit import JITFunction
 
     import moeflow
+    from moeflow.hf.patch import MoEBlock
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -200,15 +201,10 @@ def layer_ops():
         with torch.device("cuda"):
             model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
         moeflow.patch_model(model, experts="triton")
-        from moeflow.hf.patch import MoEBlock
-
-        hf_block = [m for m in model.modules() if isinstance(m, MoEBlock)]
-        block = hf_block[0].moe_layer
+        hf_block = next(m for m in model.modules() if isinstance(m, MoEBlock))
         for T in (1, 2048):
             x = torch.randn(1, T, cfg.hidden_size, device="cuda", dtype=torch.bfloat16)
-            for who, mod in (("MoELayer", block), ("HF block", hf_block[0] if hf_block else None)):
-                if mod is None:
-                    continue
+            for who, mod in (("MoELayer", hf_block.moe_layer), ("HF block", hf_block)):
                 with torch.no_grad():
                     for _ in range(3):
                         mod(x if who == "HF block" else x[0])

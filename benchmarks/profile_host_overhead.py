@@ -82,12 +82,13 @@ def main(argv=None) -> int:
     moeflow.patch_model(model, experts=args.experts)
     print(f"  moeflow  wall {wall_ms():8.2f} ms   gpu {gpu_ms():8.2f} ms")
     if args.floor:
-        mlps = [layer.mlp for layer in model.model.layers]
-        for layer in model.model.layers:
-            layer.mlp = torch.nn.Identity()
+        from benchmarks.bench_e2e import NO_MOE, apply_variant, remove_variant
+
+        moeflow.unpatch_model(model)
+        apply_variant(model, NO_MOE)  # bench_e2e's "no_moe": every MoE block hands its input back
         print(f"  no-MoE   wall {wall_ms():8.2f} ms   gpu {gpu_ms():8.2f} ms   (every MoE block an identity)")
-        for layer, mlp in zip(model.model.layers, mlps):
-            layer.mlp = mlp
+        remove_variant(model)
+        moeflow.patch_model(model, experts=args.experts)
     if args.top <= 0:
         return 0
     fwd()

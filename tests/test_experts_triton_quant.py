@@ -600,9 +600,9 @@ GPU_TOKENS = (1, 7, 64, 257, 1000)
 # token of this case give rel-L2 2.6e-2 (K = 1) / 2.3e-2 (K = 2) where BM = 16 tiles give 1.7e-3;
 # weight_on_input and the layout do not matter, T = 7 and 64 agree (2e-3 .. 4e-3), and the same call
 # with the same forced tiles under the Triton interpreter gives 1.66e-3 (the logic is right; the sm_90
-# compile of BM = 64 fp8 tiles differs). Not explained
-# yet (benchmarks/diag_fp8_stages.py --woi has the bisection), so TritonQuantExperts(batch_invariant=
-# True) keeps FP8 opt-in and this case's batch-invariant check is a strict xfail below.
+# compile of BM = 64 fp8 tiles differs). Not explained yet (benchmarks/diag_fp8_stages.py --woi has
+# the bisection), so TritonQuantExperts(batch_invariant=True) keeps FP8 opt-in and this case's
+# batch-invariant check is a strict xfail below.
 FP8_BI_MISS = ("fp8", 8, 256, 256, 1, "silu", "matmul", False, False, True)
 
 

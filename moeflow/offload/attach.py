@@ -315,7 +315,7 @@ class OffloadRuntime:
         if impl is None:
             from ..experts.select import get_impl
 
-            impl = self.cpu_impl if self.cpu_impl is not None else get_impl("reference")
+            impl = get_impl("reference")  # what a CUDA runtime's CPU experts run (_cpu_impl_for)
         self.bandwidths = measure_bandwidths(self.store, self._cpu_impl_for(impl), self.layers[0].config,
                                              self.device)
         return self.bandwidths
