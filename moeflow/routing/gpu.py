@@ -99,6 +99,13 @@ def logits_config(
     `min_chunk` (default 4 * block_k) of H per split: shorter chunks pipeline badly and
     multiply the partial-sum traffic at large T.
     """
+    plain = target_programs is None and min_chunk is None and not tile
+    if plain:
+        # Called on every router step with the same few (E, H, dtype path): the config is a pure
+        # function of them, so it is computed once (host time; the result is a frozen dataclass).
+        hit = _LOGITS_CONFIGS.get((E, H, bool(as_f32)))
+        if hit is not None:
+            return hit
     params = dict(_TILE[bool(as_f32)])
     params.update(tile)
     bk = params["block_k"]
@@ -107,7 +114,13 @@ def logits_config(
     chunk = max(_cdiv(_cdiv(H, want), bk) * bk, min_chunk or 4 * bk)
     chunk = min(chunk, _cdiv(H, bk) * bk)
     split = _cdiv(H, chunk)
-    return LogitsConfig(chunk=chunk, split=split, **params)
+    cfg = LogitsConfig(chunk=chunk, split=split, **params)
+    if plain:
+        _LOGITS_CONFIGS[(E, H, bool(as_f32))] = cfg
+    return cfg
+
+
+_LOGITS_CONFIGS: dict[tuple[int, int, bool], LogitsConfig] = {}
 
 
 # --------------------------------------------------------------------------- results
@@ -342,10 +355,12 @@ def _launch_gemm(
     config: LogitsConfig | None,
     *,
     want_final: bool,
+    plan: _Gemm | None = None,
 ) -> _Logits:
     from ..kernels.router_logits import _reduce_splits_kernel, _router_logits_kernel
 
-    g = _plan_gemm(x_TH, weight_EH, next_weight_FH, config)
+    # plan: the caller's _plan_gemm of these same operands (router_step_cuda checks them first)
+    g = plan if plan is not None else _plan_gemm(x_TH, weight_EH, next_weight_FH, config)
     T, H, E, F, as_f32, cfg = g.T, g.H, g.E, g.F, g.as_f32, g.cfg
     dev = x_TH.device
     out_TE = torch.empty(T, E, dtype=torch.float32, device=dev)
@@ -430,8 +445,9 @@ class _SelectPlan:
     status: RoutingStatus
     ptrs: tuple  # rbias, logits_out, bias, scale, input_ids, table, ids, weights, keys, status
     ints: tuple  # S, E, V, stride_lo, stride_tv, layer, eps, scaling
-    meta: dict  # constexprs of _select_rows but ROWS, SPLIT, PRECISE, CACHE
+    meta: dict  # constexprs of _select_rows but ROWS, SPLIT, PRECISE, CACHE (shared, never mutate)
     tile: int  # NGP * PP: elements of one row's register tile
+    meta_key: tuple = ()  # what `meta` is a function of (it is cached under this key)
 
 
 def _plan_select(
@@ -459,7 +475,13 @@ def _plan_select(
     S = spec.num_slots
     if S > _MAX_SLOTS:
         raise ValueError(f"spec.num_slots={S}: the GPU selection holds a row in registers, at most {_MAX_SLOTS}")
-    G, P, topk_group = _group_params(spec, K, apply_groups)
+    meta_key = (spec, K, apply_groups, mask_zero, hash_lookup, table_width if hash_lookup else 0, weights,
+                keys_layer is not None, router_bias is not None, logits_out is not None, bias is not None,
+                expert_scale is not None)
+    meta = _SELECT_META.get(meta_key)
+    if meta is None:
+        meta = _SELECT_META[meta_key] = _select_meta(spec, K, apply_groups, mask_zero, hash_lookup, table_width,
+                                                     weights, *meta_key[7:])
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     weights_TK = torch.empty(T, K, dtype=torch.float32, device=dev) if weights else None
     keys_TK2 = torch.empty(T, K, 2, dtype=torch.int32, device=dev) if keys_layer is not None else None
@@ -472,7 +494,6 @@ def _plan_select(
         if hash_table.stride(1) != 1:
             hash_table = hash_table.contiguous()
     dummy = _dummy(dev)
-    NGP, PP = _next_pow2(G), _next_pow2(P)
     ptrs = (
         router_bias if router_bias is not None else dummy,
         logits_out if logits_out is not None else dummy,
@@ -494,20 +515,39 @@ def _plan_select(
         float(spec.renorm_eps),
         float(spec.scaling_factor),
     )
-    meta = dict(
+    status = RoutingStatus(
+        status_T,
+        layer=status_layer,
+        input_ids=input_ids if hash_lookup else None,
+        hash_table=hash_table if hash_lookup else None,
+        num_slots=S,
+    )
+    return _SelectPlan(ids_TK, weights_TK, keys_TK2, status, ptrs, ints, meta, meta["NGP"] * meta["PP"], meta_key)
+
+
+# _select_meta's results by their arguments (a family rule has a handful of them).
+_SELECT_META: dict[tuple, dict] = {}
+
+
+def _select_meta(spec: RouterSpec, K: int, apply_groups: bool, mask_zero: bool, hash_lookup: bool, table_width: int,
+                 weights: bool, keys: bool, has_rbias: bool, write_logits: bool, has_bias: bool,
+                 has_scale: bool) -> dict:
+    """The constexprs of `_select_rows` for one selection kind (see _SelectPlan.meta)."""
+    G, P, topk_group = _group_params(spec, K, apply_groups)
+    return dict(
         SCORE=_SCORE_CODES[spec.score_fn],
         K=K,
         KP=_next_pow2(K),
         G=G,
         P=P,
-        NGP=NGP,
-        PP=PP,
+        NGP=_next_pow2(G),
+        PP=_next_pow2(P),
         TOPK_GROUP=topk_group,
         GROUP_TOP2=spec.group_score == "top2_sum",
-        HAS_RBIAS=router_bias is not None,
-        WRITE_LOGITS=logits_out is not None,
-        HAS_BIAS=bias is not None,
-        HAS_SCALE=expert_scale is not None,
+        HAS_RBIAS=has_rbias,
+        WRITE_LOGITS=write_logits,
+        HAS_BIAS=has_bias,
+        HAS_SCALE=has_scale,
         HASH=hash_lookup,
         KT=table_width if hash_lookup else 0,
         SELECT=not hash_lookup or K > table_width,
@@ -516,16 +556,8 @@ def _plan_select(
         HAS_SCALING=spec.scaling_factor != 1.0,
         MASK_ZERO=mask_zero,
         WEIGHTS=weights,
-        KEYS=keys_layer is not None,
+        KEYS=keys,
     )
-    status = RoutingStatus(
-        status_T,
-        layer=status_layer,
-        input_ids=input_ids if hash_lookup else None,
-        hash_table=hash_table if hash_lookup else None,
-        num_slots=S,
-    )
-    return _SelectPlan(ids_TK, weights_TK, keys_TK2, status, ptrs, ints, meta, NGP * PP)
 
 
 def _launch_select(
@@ -732,16 +764,26 @@ def _launch_fused(
     b_ints = b.ints if b is not None else a.ints
     b_meta = b.meta if b is not None else a.meta
     grid = (_cdiv(E, cfg.block_e) + _cdiv(F, cfg.block_e), _cdiv(T, cfg.block_m), cfg.split)
+    key = (a.meta_key, b.meta_key if b is not None else None, cfg, g.as_f32, rows, dev.type)
+    consts = _FUSED_CONSTS.get(key)
+    if consts is None:
+        consts = _FUSED_CONSTS[key] = dict(
+            CHUNK=cfg.chunk, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
+            AS_F32=g.as_f32, ROWS=rows, PREDICT=b is not None, PRECISE=dev.type == "cuda",
+            **{f"A_{k}": v for k, v in a.meta.items()}, **{f"B_{k}": v for k, v in b_meta.items()},
+            # the GEMM config's warps and stages: the partials' instructions are the GEMM kernel's
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        )
     _router_fused_kernel[grid](
         x_TH, weight_EH, w2, part, tickets,
         T, E, F, g.H, x_TH.stride(0), weight_EH.stride(0), w2.stride(0), T * (E + F),
-        *a.ptrs, *a.ints, *b_ptrs, *b_ints,
-        CHUNK=cfg.chunk, SPLIT=cfg.split, BLOCK_M=cfg.block_m, BLOCK_E=cfg.block_e, BLOCK_K=cfg.block_k,
-        AS_F32=g.as_f32, ROWS=rows, PREDICT=b is not None, PRECISE=dev.type == "cuda",
-        **{f"A_{k}": v for k, v in a.meta.items()}, **{f"B_{k}": v for k, v in b_meta.items()},
-        # the GEMM config's warps and stages: the partials' instructions are the GEMM kernel's
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        *a.ptrs, *a.ints, *b_ptrs, *b_ints, **consts,
     )
+
+
+# The fused launch's constexpr keywords by (selection kinds, GEMM config, rows, device type): built
+# once each (48 keywords; a dict build per step was a visible share of the step's host time).
+_FUSED_CONSTS: dict[tuple, dict] = {}
 
 
 def router_step_cuda(
@@ -856,7 +898,7 @@ def router_step_cuda(
         return RouterStep(logits_TS=logits, routing=routing, prediction=None if b is None else _prediction(b),
                           fused=True)
 
-    r = _launch_gemm(x_TH, weight_EH, next_weight_EH, config, want_final=False)
+    r = _launch_gemm(x_TH, weight_EH, next_weight_EH, config, want_final=False, plan=g)
     logits = r.out_TE
     if r.part_STC is not None:
         src, stride_row, stride_split, split = r.part_STC, r.E + r.F, T * (r.E + r.F), r.split
