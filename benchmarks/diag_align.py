@@ -1,0 +1,98 @@
+"""Sweep the alignment kernels' schedule (issue 16): one-program vs count/scan/scatter, chunk, SUB.
+
+For each (E, K, T) the default schedule and every variant are timed by CUDA events on the same
+routing ids (L2 flushed), and every variant's sorted_P / block_expert_B is compared with the
+default's as integers (the layout is a pure function of the ids, so any difference is a bug).
+Prints one table row per case: default µs, the best variant and its µs, and whether all matched.
+
+    python3 benchmarks/diag_align.py [--json OUT.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from benchmarks.common import env_info, time_cuda, write_json  # noqa: E402
+
+# (label, E, K, T): the standard shapes' expert counts at decode and prefill sizes.
+CASES = [
+    ("qwen3 T=1", 128, 8, 1), ("qwen3 T=64", 128, 8, 64), ("qwen3 T=256", 128, 8, 256),
+    ("gpt-oss T=512", 128, 4, 512), ("qwen3 T=512", 128, 8, 512), ("qwen3 T=2048", 128, 8, 2048),
+    ("qwen3 T=8192", 128, 8, 8192), ("mixtral T=2048", 8, 2, 2048), ("mixtral T=8192", 8, 2, 8192),
+    ("deepseek T=512", 256, 8, 512), ("deepseek T=2048", 256, 8, 2048), ("ds-v4.1 T=8192", 384, 6, 8192),
+]
+BLOCK_M = 64
+
+
+def _variants():
+    """(name, fused_max, chunk, sub) for every schedule tried; the first is today's default."""
+    import moeflow.kernels.moe_align as A
+
+    out = [("default", A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB)]
+    for fused_max in (0, 1 << 30):
+        # chunk swept at SUB 32, SUB swept at chunk 1024 (a full grid compiles ~3x as many kernels)
+        for chunk, sub in [(c, 32) for c in (256, 512, 1024, 2048, 4096)] + [(1024, 16), (1024, 64)]:
+            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", fused_max, chunk, sub))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--reps", type=int, default=50)
+    args = ap.parse_args(argv)
+    import moeflow.kernels.moe_align as A
+
+    saved = (A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB)
+    rows = []
+    g = torch.Generator(device="cuda").manual_seed(0)
+    print(f"{'case':18} {'N':>7} {'default us':>10} {'best variant':>18} {'best us':>8} {'one-prog best':>14} "
+          f"{'multi best':>11}  match")
+    for label, E, K, T in CASES:
+        ids_N = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=-1).indices.to(torch.int32).reshape(-1)
+        n = ids_N.numel()
+        max_blocks = -(-n // BLOCK_M) + min(n, E)
+        ref = None
+        times = {}
+        all_match = True
+        for name, fused_max, chunk, sub in _variants():
+            A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB = fused_max, chunk, sub
+            sorted_P = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device="cuda")
+            be_B = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
+            scratch = torch.empty(2 * (-(-n // chunk)) * 1024, dtype=torch.int32, device="cuda")
+
+            def step():
+                A.align_launch(ids_N, E, BLOCK_M, sorted_P, be_B, scratch=scratch)
+
+            step()
+            torch.cuda.synchronize()
+            if ref is None:
+                ref = (sorted_P.clone(), be_B.clone())
+            elif not (torch.equal(sorted_P, ref[0]) and torch.equal(be_B, ref[1])):
+                all_match = False
+                print(f"  MISMATCH {label} {name}: sorted_P differs at "
+                      f"{int((sorted_P != ref[0]).sum())} slots, block_expert at {int((be_B != ref[1]).sum())}")
+            times[name] = time_cuda(step, reps=args.reps, warmup=3) * 1e6
+        A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB = saved
+        best = min(times, key=times.get)
+        one = min((v for k, v in times.items() if k.startswith("one")), default=float("nan"))
+        multi = min((v for k, v in times.items() if k.startswith("multi")), default=float("nan"))
+        print(f"{label:18} {n:7d} {times['default']:10.1f} {best:>18} {times[best]:8.1f} {one:14.1f} {multi:11.1f}"
+              f"  {all_match}")
+        rows.append({"case": label, "E": E, "K": K, "T": T, "N": n, "times_us": times, "best": best,
+                     "all_match": all_match})
+    if args.json:
+        write_json(args.json, rows, env_info())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
