@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 # Pairs per chunk of the multi-kernel schedule, and the largest N done in one program.
 ALIGN_CHUNK = 1024
 ALIGN_FUSED_MAX = 2048
@@ -111,6 +113,7 @@ def _padded_starts(count, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
     return count, start
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["N", "max_blocks"])
 def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_blocks,
                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
@@ -122,6 +125,7 @@ def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_bloc
     _scatter_range(ids_ptr, sorted_ptr, start, 0, N, E, SUB, E_PAD)
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["N"])
 def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
     """Grid (num_chunks,): counts_CE[c] = histogram of chunk c."""
@@ -132,6 +136,7 @@ def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD
     tl.store(counts_ptr + c * E_PAD + tl.arange(0, E_PAD), counts)
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_chunks", "N", "max_blocks"])
 def moe_align_scan_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_chunks, N, E,
                           max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
@@ -148,6 +153,7 @@ def moe_align_scan_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, nu
         run += tl.load(counts_ptr + c * E_PAD + e_idx)
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["N"])
 def moe_align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr,
                              SUB: tl.constexpr, E_PAD: tl.constexpr):

@@ -35,12 +35,15 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 from .moe_gemm import gate_up_rows
 
 # Rows of the down dot: the smallest tl.dot M. Only row 0 holds the pair's activations.
 DOWN_DOT_ROWS = 16
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs"])
 def moe_decode_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, wt_ptr, ids_ptr, act_ptr,
@@ -82,6 +85,7 @@ def moe_decode_gate_up_kernel(
     tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=match[:, None] & (offs_j < I)[None, :])
 
 
+@fast_kernel
 @triton.jit
 def moe_decode_down_kernel(
     act_ptr, w_ptr, b_ptr, wt_ptr, ids_ptr, out_ptr,

@@ -28,6 +28,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 ACT_SILU = 0
 ACT_GELU_TANH = 1
 ACT_SWIGLU_CLAMP = 2
@@ -134,6 +136,7 @@ def gate_up_rows(
     return _activate(g, u, limit, alpha, ACT)
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def moe_gate_up_kernel(
     x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
@@ -164,6 +167,7 @@ def moe_gate_up_kernel(
     tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
 def moe_down_kernel(
     act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
@@ -212,6 +216,7 @@ def moe_down_kernel(
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
 
 
+@fast_kernel
 @triton.jit
 def moe_combine_kernel(
     y_ptr, w_ptr, ids_ptr, out_ptr, H, E, stride_ys, stride_yn, stride_ot,

@@ -53,6 +53,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 from .moe_gemm import _activate, _tile_ids
 
 # A jit function reads module globals only as constexpr.
@@ -135,6 +137,7 @@ def _fp8_quant_groups(v, AXIS: tl.constexpr):
 
 
 # ------------------------------------------------------------------------------ FP8 W8A8
+@fast_kernel
 @triton.jit(do_not_specialize=["M"])
 def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_s,
                           G: tl.constexpr, GPP: tl.constexpr):
@@ -152,6 +155,7 @@ def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_
     tl.store(s_ptr + r * stride_s + offs_g, s, mask=offs_g < tl.cdiv(H, G))
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def moe_gate_up_fp8_kernel(
     xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr,
@@ -230,6 +234,7 @@ def moe_gate_up_fp8_kernel(
              mask=row_ok[:, None] & (offs_g < tl.cdiv(I, BLOCK_K))[None, :])
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
 def moe_down_fp8_kernel(
     aq_ptr, as_ptr, w_ptr, ws_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
@@ -286,6 +291,7 @@ def moe_down_fp8_kernel(
 
 
 # ------------------------------------------------------------------------------ FP4 W4A16
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def moe_gate_up_w4_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
@@ -388,6 +394,7 @@ def moe_gate_up_w4_kernel(
     tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
 
 
+@fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
 def moe_down_w4_kernel(
     act_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
@@ -477,6 +484,7 @@ def _w4_gemv_rows(x_row_ptr, w_ptrs, s_ptrs, row_ok, K, stride_wk, stride_sk,
     return acc
 
 
+@fast_kernel
 @triton.jit
 def moe_gate_up_w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, act_ptr, ids_ptr,
@@ -530,6 +538,7 @@ def moe_gate_up_w4_gemv_kernel(
     tl.store(act_ptr + n.to(tl.int64) * stride_an + offs_j, out.to(act_ptr.dtype.element_ty), mask=j_ok)
 
 
+@fast_kernel
 @triton.jit
 def moe_down_w4_gemv_kernel(
     act_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, ids_ptr,

@@ -36,11 +36,14 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 # int32 words one copy iteration moves per program (8 KiB), and copy programs per SM.
 COPY_BLOCK_WORDS = 2048
 COPY_PROGRAMS_PER_SM = 4
 
 
+@fast_kernel
 @triton.jit
 def offload_remap_kernel(ids_ptr, lut_ptr, remap_ptr, jobs_ptr, log_ptr, N, E, Z, P, Q,
                          NCAP: tl.constexpr, BLOCK: tl.constexpr):
@@ -71,6 +74,7 @@ def offload_remap_kernel(ids_ptr, lut_ptr, remap_ptr, jobs_ptr, log_ptr, N, E, Z
     tl.store(log_ptr + 1 + NCAP + n, tl.where(valid, remap, -1), mask=cap)
 
 
+@fast_kernel
 @triton.jit
 def offload_copy_kernel(jobs_ptr, host_ptr, pool_ptr, Q, W, S, ITERS: tl.constexpr, BLOCK_W: tl.constexpr):
     """Grid (Q, S): program (r, s) copies chunks s, s + S, ... of job r's row (int32 words: any dtype's bytes).
@@ -91,6 +95,7 @@ def offload_copy_kernel(jobs_ptr, host_ptr, pool_ptr, Q, W, S, ITERS: tl.constex
         tl.store(dst + w, tl.load(src + w, mask=m), mask=m)
 
 
+@fast_kernel
 @triton.jit
 def offload_admit_kernel(ids_ptr, lut_ptr, slot_key_ptr, stamp_ptr, clock_ptr, remap_ptr, jobs_ptr, log_ptr,
                          N, E, Z, P, Q, key_base, advance, NCAP: tl.constexpr, BLOCK: tl.constexpr,

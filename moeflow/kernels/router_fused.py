@@ -37,10 +37,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 from .router_logits import _logits_program
 from .router_select import _select_rows
 
 
+@fast_kernel
 @triton.jit
 def _router_fused_kernel(
     x_ptr,

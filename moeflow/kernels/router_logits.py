@@ -29,6 +29,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 
 @triton.jit
 def _dot_tile(
@@ -135,6 +137,7 @@ def _logits_program(
             tl.store(out_ptr + rows.to(tl.int64)[:, None] * stride_ot + cols[None, :], acc, mask=ok)
 
 
+@fast_kernel
 @triton.jit
 def _router_logits_kernel(
     x_ptr,
@@ -174,6 +177,7 @@ def _router_logits_kernel(
     )
 
 
+@fast_kernel
 @triton.jit
 def _reduce_splits_kernel(
     part_ptr,

@@ -40,6 +40,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .launch import fast_kernel
+
 try:  # the CUDA libdevice gives ~1-ulp exp/log1p; tl.exp is ex2.approx(x * log2 e)
     from triton.language.extra import libdevice
 except ImportError:  # pragma: no cover - older Triton layouts
@@ -331,6 +333,7 @@ def _select_rows(
         tl.store(weights_ptr + out_k, w, mask=omask)
 
 
+@fast_kernel
 @triton.jit
 def _route_kernel(
     src_ptr,

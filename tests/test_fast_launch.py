@@ -1,0 +1,156 @@
+"""moeflow.kernels.launch: cached launches of compiled Triton kernels without the JIT binder.
+
+CPU tests drive FastKernel's cache with a stand-in for the compiled kernel and the driver (no
+launch happens): which calls hit the cache, and that a hit passes every parameter in signature
+order. The GPU test launches real kernels through the fast path and compares with the JIT.
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+triton = pytest.importorskip("triton")
+if os.environ.get("TRITON_INTERPRET") == "1":
+    pytest.skip("the fast path is off under the interpreter (covered by every interpreter test)",
+                allow_module_level=True)
+import triton.language as tl  # noqa: E402
+
+from moeflow.kernels.launch import FastKernel, _fast_supported  # noqa: E402
+
+
+@triton.jit(do_not_specialize=["n"])
+def _axpy_kernel(x_ptr, y_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr, SCALE: tl.constexpr = 1):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    y = tl.load(y_ptr + offs, mask=m)
+    tl.store(out_ptr + offs, (alpha * x + y) * SCALE, mask=m)
+
+
+class _FakeCompiled:
+    """Stands in for triton's CompiledKernel: records launcher calls."""
+
+    function = "fn"
+    packed_metadata = "meta"
+
+    def __init__(self, tag):
+        self.tag, self.calls = tag, []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+    def launch_metadata(self, *a):
+        return None
+
+
+class _FakeDriver:
+    class active:  # noqa: N801 - mirrors triton.runtime.driver.driver.active
+        get_current_device = staticmethod(lambda: 0)
+        get_current_stream = staticmethod(lambda device: 1234)
+
+
+def _fake_kernel(monkeypatch):
+    if not _fast_supported():
+        pytest.skip(f"triton {triton.__version__}: launcher signature not the checked one, fast path off")
+    k = FastKernel(_axpy_kernel)
+    assert k._fast
+    compiled = []
+
+    def fake_run(*args, grid, warmup, **kwargs):
+        c = _FakeCompiled((args, tuple(kwargs.items())))
+        compiled.append(c)
+        return c
+
+    monkeypatch.setattr(k.fn, "run", fake_run)
+    k._driver = _FakeDriver
+    return k, compiled
+
+
+def test_cache_hits_pass_every_parameter_in_signature_order(monkeypatch):
+    k, compiled = _fake_kernel(monkeypatch)
+    x, y, out = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    k[(4,)](x, y, out, 64, 2.0, BLOCK=16, num_warps=4)  # miss: through fn.run
+    assert len(compiled) == 1 and compiled[0].calls == []
+    k[(4,)](x, y, out, 64, 2.0, BLOCK=16, num_warps=4)  # hit: the launcher, directly
+    assert len(compiled) == 1
+    (call,) = compiled[0].calls
+    # grid, stream, function, metadata, launch metadata, hooks, then all 7 parameters incl. constexprs
+    assert call[:4] == (4, 1, 1, 1234) and call[4:6] == ("fn", "meta")
+    assert call[9:] == (x, y, out, 64, 2.0, 16, 1), call[9:]
+    # a different n of the same specialisation class (both % 16 == 0) hits too
+    k[(4,)](x, y, out, 48, 3.0, BLOCK=16, num_warps=4)
+    assert len(compiled) == 1 and compiled[0].calls[-1][9:] == (x, y, out, 48, 3.0, 16, 1)
+
+
+@pytest.mark.parametrize("change", ["block", "num_warps", "misaligned", "dtype", "n_is_1", "n_not_div16",
+                                    "scale_kw", "positional_block"])
+def test_a_new_specialisation_misses(monkeypatch, change):
+    k, compiled = _fake_kernel(monkeypatch)
+    x, y, out = torch.zeros(80), torch.zeros(80), torch.zeros(80)
+    base = dict(args=(x, y, out, 64, 2.0), kw=dict(BLOCK=16, num_warps=4))
+    k[(4,)](*base["args"], **base["kw"])
+    args, kw = list(base["args"]), dict(base["kw"])
+    if change == "block":
+        kw["BLOCK"] = 32
+    elif change == "num_warps":
+        kw["num_warps"] = 8
+    elif change == "misaligned":
+        args[0] = x[1:]  # 4-byte offset: Triton's 16-byte alignment specialisation no longer holds
+    elif change == "dtype":
+        args[1] = y.double()
+    elif change == "n_is_1":
+        args[3] = 1
+    elif change == "n_not_div16":
+        args[3] = 63
+    elif change == "scale_kw":
+        kw["SCALE"] = 2
+    elif change == "positional_block":
+        args.append(kw.pop("BLOCK"))
+    k[(4,)](*args, **kw)
+    assert len(compiled) == 2, "a call Triton would specialise differently must not reuse the cached kernel"
+    assert compiled[0].calls == []
+
+
+def test_keyword_parameters_are_reordered_to_the_signature(monkeypatch):
+    k, compiled = _fake_kernel(monkeypatch)
+    x, y, out = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    for _ in range(2):
+        k[(2, 3)](x, y, SCALE=4, out_ptr=out, alpha=0.5, n=17, BLOCK=32)
+    (call,) = compiled[0].calls
+    assert call[:3] == (2, 3, 1)
+    assert call[9:] == (x, y, out, 17, 0.5, 32, 4)
+
+
+def test_unhashable_or_callable_grid_goes_through_the_jit(monkeypatch):
+    k, compiled = _fake_kernel(monkeypatch)
+    x = torch.zeros(64)
+    for _ in range(2):
+        k[(1,)](x, x, x, 64, [1.0], BLOCK=16)  # a list is unhashable: no key
+    assert len(compiled) == 2 and all(c.calls == [] for c in compiled)
+    assert k[lambda meta: (1,)] is not None  # callable grid: the JIT's own launcher object
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_gpu_fast_launches_match_the_jit():
+    k = FastKernel(_axpy_kernel)
+    assert k._fast, "the fast path must be on for the Triton installed on the GPU machine"
+    base = torch.randn(4096 + 8, device="cuda")
+    y = torch.randn(4096 + 8, device="cuda")
+    for n, off, block, scale in [(4096, 0, 256, 1), (4096, 1, 256, 1), (4000, 0, 128, 2), (1, 0, 128, 1),
+                                 (4096, 0, 256, 1), (4000, 3, 128, 2), (1, 0, 128, 1)]:
+        x = base[off: off + n]
+        out_fast, out_jit = torch.full_like(y, 7.0), torch.full_like(y, 7.0)
+        grid = (triton.cdiv(n, block),)
+        for _ in range(2):  # the second call is a cache hit
+            k[grid](x, y, out_fast, n, 1.5, BLOCK=block, SCALE=scale)
+        _axpy_kernel[grid](x, y, out_jit, n, 1.5, BLOCK=block, SCALE=scale)
+        torch.cuda.synchronize()
+        assert torch.equal(out_fast, out_jit), (n, off, block, scale)
+        assert torch.equal(out_fast[:n], (1.5 * x + y[:n]) * scale)
+    # 5 distinct keys: (aligned, 256, n%16), (misaligned), (128, scale 2, n%16==0 also for 4000), (n == 1),
+    # (misaligned 4000): repeats hit
+    assert len(k._cache) == 5, sorted(map(str, k._cache))
