@@ -70,7 +70,7 @@ def main(argv=None) -> int:
             be_B = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
             scratch = torch.empty(2 * (-(-n // chunk)) * 1024, dtype=torch.int32, device="cuda")
 
-            def step():
+            def step(ids_N=ids_N, E=E, sorted_P=sorted_P, be_B=be_B, scratch=scratch):
                 A.align_launch(ids_N, E, BLOCK_M, sorted_P, be_B, scratch=scratch)
 
             step()

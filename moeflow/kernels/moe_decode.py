@@ -36,7 +36,6 @@ import triton
 import triton.language as tl
 
 from .launch import fast_kernel
-
 from .moe_gemm import gate_up_rows
 
 # Rows of the down dot: the smallest tl.dot M. Only row 0 holds the pair's activations.

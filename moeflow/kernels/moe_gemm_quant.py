@@ -54,7 +54,6 @@ import triton
 import triton.language as tl
 
 from .launch import fast_kernel
-
 from .moe_gemm import _activate, _tile_ids
 
 # A jit function reads module globals only as constexpr.

@@ -38,7 +38,6 @@ import triton
 import triton.language as tl
 
 from .launch import fast_kernel
-
 from .router_logits import _logits_program
 from .router_select import _select_rows
 
