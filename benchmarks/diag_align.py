@@ -33,14 +33,15 @@ BLOCK_M = 64
 
 
 def _variants():
-    """(name, fused_max, chunk, sub) for every schedule tried; the first is today's default."""
+    """(name, fused_max, chunk, sub, max_chunks) for every schedule tried; the first is today's default."""
     import moeflow.kernels.moe_align as A
 
-    out = [("default", A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB)]
+    out = [("default", A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS)]
     for fused_max in (0, 1 << 30):
         # chunk swept at SUB 32, SUB swept at chunk 1024 (a full grid compiles ~3x as many kernels)
         for chunk, sub in [(c, 32) for c in (256, 512, 1024, 2048, 4096)] + [(1024, 16), (1024, 64)]:
-            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", fused_max, chunk, sub))
+            # the chunk exactly (no cap on the chunk count)
+            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", fused_max, chunk, sub, 1 << 30))
     return out
 
 
@@ -51,7 +52,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import moeflow.kernels.moe_align as A
 
-    saved = (A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB)
+    saved = (A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     print("GPU us from CUDA graph replays (L2 flushed); 'eager' adds the host's launch gaps")
@@ -64,11 +65,11 @@ def main(argv=None) -> int:
         ref = None
         times = {}
         all_match = True
-        for name, fused_max, chunk, sub in _variants():
-            A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB = fused_max, chunk, sub
+        for name, fused_max, chunk, sub, max_chunks in _variants():
+            A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS = fused_max, chunk, sub, max_chunks
             sorted_P = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device="cuda")
             be_B = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
-            scratch = torch.empty(2 * (-(-n // chunk)) * 1024, dtype=torch.int32, device="cuda")
+            scratch = torch.empty(2 * (-(-n // A.align_chunk(n))) * 1024, dtype=torch.int32, device="cuda")
 
             def step(ids_N=ids_N, E=E, sorted_P=sorted_P, be_B=be_B, scratch=scratch):
                 A.align_launch(ids_N, E, BLOCK_M, sorted_P, be_B, scratch=scratch)
@@ -87,7 +88,7 @@ def main(argv=None) -> int:
             # GPU time from a CUDA graph replay: eager events would time the host's launch gaps
             times[name] = time_cuda_graph(step, reps=args.reps) * 1e6
             times[name + " eager"] = time_cuda(step, reps=10, warmup=2) * 1e6
-        A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB = saved
+        A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS = saved
         graph = {k: v for k, v in times.items() if not k.endswith(" eager")}
         best = min(graph, key=graph.get)
         one = min((v for k, v in graph.items() if k.startswith("one")), default=float("nan"))

@@ -396,7 +396,7 @@ def check_alignment(device: str) -> None:
 
     g = torch.Generator().manual_seed(3)
     cases = [(1, 1, 16), (7, 3, 16), (100, 61, 16), (64, 8, 64), (ALIGN_FUSED_MAX + 1, 257, 32),
-             (5000, 5, 128), (3000, 61, 16), (2048, 3, 16)]
+             (5000, 5, 128), (3000, 61, 16), (2048, 3, 16), (40000, 7, 64)]  # the last: 512-pair chunks
     for N, E, bm in cases:
         for skew in (False, True):
             ids = torch.randint(0, E, (N,), generator=g, dtype=torch.int32)

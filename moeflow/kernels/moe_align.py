@@ -20,7 +20,8 @@ the combine pass writes NaN for them (loud, never a silent clamp).
 
 Two schedules, same results bit for bit:
   * N <= ALIGN_FUSED_MAX: one program does count, scan and scatter (decode: one launch);
-  * larger N: count per chunk (grid) -> scan (one program) -> scatter per chunk (grid).
+  * larger N: count per chunk (grid) -> scan (one program) -> scatter per chunk (grid),
+    chunks of align_chunk(N) pairs.
 Counting uses integer histograms, so results never depend on thread timing.
 """
 
@@ -31,9 +32,15 @@ import triton.language as tl
 
 from .launch import fast_kernel
 
-# Pairs per chunk of the multi-kernel schedule, and the largest N done in one program.
-ALIGN_CHUNK = 1024
-ALIGN_FUSED_MAX = 2048
+# The largest N done in one program, and the multi-kernel schedule's smallest chunk and most
+# chunks. From benchmarks/diag_align.py on the H200 (CUDA graph replays, 2026-12-03): the one
+# program's serial scatter (N / SUB steps) took 145 us at N = 2048 where count/scan/scatter with
+# 256-pair chunks took 33 us (46 vs 31 us at N = 512, 6.4 vs 10 us at N = 8: three launches);
+# 256-pair chunks were fastest up to N = 16384 (52 vs 93 us with 1024), 512-pair ones at
+# 49152-65536 (the one-program scan over chunks grows with their count).
+ALIGN_FUSED_MAX = 256
+ALIGN_CHUNK = 256
+ALIGN_MAX_CHUNKS = 128
 # Pairs handled together inside the scatter loop ([SUB, E_PAD] one-hot matrix).
 ALIGN_SUB = 32
 # Blocks handled together when writing block_expert ([BLOCKS, E_PAD] comparison).
@@ -169,6 +176,12 @@ def _next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def align_chunk(n: int) -> int:
+    """Pairs per chunk of the multi-kernel schedule for N = n: ALIGN_CHUNK, doubled until at most
+    ALIGN_MAX_CHUNKS chunks (a power of two, so few compiles)."""
+    return max(ALIGN_CHUNK, _next_pow2(-(-n // ALIGN_MAX_CHUNKS)))
+
+
 def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B, scratch=None) -> None:
     """Fill sorted_P and block_expert_B (preallocated, see module docstring) from ids_N.
 
@@ -183,23 +196,24 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     # Registers for the [BLOCKS, E_PAD] and [SUB, E_PAD] matrices: keep ~32 ints a thread.
     warps = 4 if e_pad <= 256 else 8
     if n <= ALIGN_FUSED_MAX:
-        # decode: a histogram as wide as the pairs, not ALIGN_CHUNK (a few buckets, few compiles)
-        chunk = 64 if n <= 64 else (256 if n <= 256 else ALIGN_CHUNK)
+        # decode: a histogram as wide as the pairs (a few buckets, few compiles)
+        chunk = 64 if n <= 64 else _next_pow2(n)
         moe_align_fused_kernel[(1,)](
             ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
             num_warps=warps,
         )
         return
-    num_chunks = triton.cdiv(n, ALIGN_CHUNK)
+    chunk = align_chunk(n)
+    num_chunks = triton.cdiv(n, chunk)
     if scratch is None:
         scratch = torch.empty(2 * num_chunks * e_pad, dtype=torch.int32, device=ids_N.device)
     counts = scratch[: num_chunks * e_pad]
     base = scratch[num_chunks * e_pad: 2 * num_chunks * e_pad]
-    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=ALIGN_CHUNK, E_PAD=e_pad,
+    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad,
                                           num_warps=4)
     moe_align_scan_kernel[(1,)](counts, base, sorted_P, block_expert_B, num_chunks, n, num_experts,
                                 max_blocks, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS=ALIGN_BLOCKS,
                                 num_warps=warps)
-    moe_align_scatter_kernel[(num_chunks,)](ids_N, base, sorted_P, n, num_experts, CHUNK=ALIGN_CHUNK,
+    moe_align_scatter_kernel[(num_chunks,)](ids_N, base, sorted_P, n, num_experts, CHUNK=chunk,
                                             SUB=ALIGN_SUB, E_PAD=e_pad, num_warps=warps)
