@@ -88,6 +88,16 @@ def launch_overhead():
     except Exception as ex:
         print("direct run failed:", repr(ex)[:500])
 
+    from moeflow.kernels.launch import FastKernel
+
+    fk = FastKernel(k20)
+
+    def fast_launch():
+        fk[(64,)](*ts, *ints, *strides, A=16, B=64, C=64, D=8, num_warps=4, num_stages=3)
+
+    fast_launch()
+    print(f"FastKernel launch (20 args, cached): {host_us(fast_launch):.2f} us/launch (host)")
+
     def empty_torch():
         torch.empty(16, device="cuda")
 
@@ -97,7 +107,7 @@ def launch_overhead():
 
 
 # ---------------------------------------------------------------- (3) host time of MoELayer pieces
-def layer_host_time():
+def layer_host_time(profile: bool = True):
     """Host, wall and CUDA-graph GPU time of one patched Qwen3-MoE layer at T=1/16/2048, plus cProfile."""
     import transformers
 
@@ -115,6 +125,16 @@ def layer_host_time():
 
     layer = [m for m in model.modules() if isinstance(m, MoELayer)][0]
     print("layer", type(layer).__name__)
+    from moeflow.kernels import launch
+
+    # A/B in one process: every launch through Triton's JIT, then through FastKernel's cache
+    for fast in (False, True):
+        launch.ENABLED = fast
+        print(f"-- launches {'through FastKernel (cached compiled kernels)' if fast else 'through the Triton JIT'}")
+        _layer_host_rows(layer, profile=fast and profile)
+
+
+def _layer_host_rows(layer, *, profile: bool) -> None:
     for T in (1, 16, 2048):
         x = torch.randn(T, 2048, device="cuda", dtype=torch.bfloat16)
         with torch.no_grad():
@@ -141,7 +161,7 @@ def layer_host_time():
             e.record()
             torch.cuda.synchronize()
             print(f"T={T}: host {th:.1f} us/call, wall {tw:.1f} us/call, graph GPU {s.elapsed_time(e)/20*1e3:.1f} us")
-        if T in (1, 2048):
+        if profile and T in (1, 2048):
             pr = cProfile.Profile()
             with torch.no_grad():
                 pr.enable()
@@ -275,6 +295,7 @@ def graph_decode(batch):
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--no-profile", action="store_true", help="layer section: no cProfile tables")
     ap.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS),
                     help="which diagnostics to run (default: all, in the order launch, layer, graphs)")
     args = ap.parse_args(argv)
@@ -285,7 +306,7 @@ def main(argv=None):
         launch_overhead()
     if "layer" in args.sections:
         section("MoE layer host time, qwen3 shape, T=1 and T=2048")
-        layer_host_time()
+        layer_host_time(profile=not args.no_profile)
     if "ops" in args.sections:
         section("aten ops and Triton launches of one patched layer step")
         layer_ops()

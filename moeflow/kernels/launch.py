@@ -17,7 +17,8 @@ of it (`native_specialize_impl` with specialisation and alignment on: int width 
 % 16). That is at least as fine as the key the JIT computes (it may be finer where a parameter
 is `do_not_specialize`), so a cached kernel is always the one the JIT would have launched.
 
-Where the fast path does not apply, calls go to `fn[grid]` unchanged: the Triton interpreter
+Where the fast path does not apply, calls go to `fn[grid]` unchanged: MOEFLOW_FAST_LAUNCH=0
+(or `moeflow.kernels.launch.ENABLED = False`), the Triton interpreter
 (TRITON_INTERPRET=1), a Triton whose launcher signature is not the one checked here, a
 callable grid, a kernel with pre-run hooks, or an argument type without a known key.
 Not honoured after a key's first call: TRITON_DEBUG / instrumentation knobs changed at run
@@ -28,8 +29,12 @@ moeflow's kernels read no mutable globals).
 from __future__ import annotations
 
 import inspect
+import os
 from typing import Any
 
+# MOEFLOW_FAST_LAUNCH=0 sends every launch through the JIT (A/B measurements, debugging);
+# read at each launch, so a process may also flip it.
+ENABLED = os.environ.get("MOEFLOW_FAST_LAUNCH", "1") != "0"
 _FAST_OK: bool | None = None  # whether this Triton's JITFunction.run / launcher match (checked once)
 
 
@@ -88,7 +93,7 @@ class FastKernel:
         return getattr(self.__dict__["fn"], name)
 
     def __getitem__(self, grid):
-        if not self._fast or callable(grid) or self.fn.pre_run_hooks:
+        if not (self._fast and ENABLED) or callable(grid) or self.fn.pre_run_hooks:
             return self.fn[grid]
         return lambda *args, **kwargs: self.launch(grid, args, kwargs)
 
