@@ -86,7 +86,7 @@ def test_cache_hits_pass_every_parameter_in_signature_order(monkeypatch):
 
 
 @pytest.mark.parametrize("change", ["block", "num_warps", "misaligned", "dtype", "n_is_1", "n_not_div16",
-                                    "scale_kw", "positional_block"])
+                                    "n_int64", "alpha_int", "scale_kw"])
 def test_a_new_specialisation_misses(monkeypatch, change):
     k, compiled = _fake_kernel(monkeypatch)
     x, y, out = torch.zeros(80), torch.zeros(80), torch.zeros(80)
@@ -105,13 +105,24 @@ def test_a_new_specialisation_misses(monkeypatch, change):
         args[3] = 1
     elif change == "n_not_div16":
         args[3] = 63
+    elif change == "n_int64":
+        args[3] = 2**32  # i64: Triton compiles another kernel
+    elif change == "alpha_int":
+        args[4] = 2  # an int where a float was: another signature
     elif change == "scale_kw":
         kw["SCALE"] = 2
-    elif change == "positional_block":
-        args.append(kw.pop("BLOCK"))
     k[(4,)](*args, **kw)
     assert len(compiled) == 2, "a call Triton would specialise differently must not reuse the cached kernel"
     assert compiled[0].calls == []
+
+
+def test_positional_or_keyword_is_the_same_key(monkeypatch):
+    k, compiled = _fake_kernel(monkeypatch)
+    x, y, out = torch.zeros(64), torch.zeros(64), torch.zeros(64)
+    k[(4,)](x, y, out, 64, 2.0, BLOCK=16)
+    k[(4,)](x, y, out, 64, 2.0, 16)
+    k[(4,)](x, y, out_ptr=out, n=64, alpha=2.0, BLOCK=16, SCALE=1)
+    assert len(compiled) == 1 and len(compiled[0].calls) == 2
 
 
 def test_keyword_parameters_are_reordered_to_the_signature(monkeypatch):
@@ -122,6 +133,26 @@ def test_keyword_parameters_are_reordered_to_the_signature(monkeypatch):
     (call,) = compiled[0].calls
     assert call[:3] == (2, 3, 1)
     assert call[9:] == (x, y, out, 17, 0.5, 32, 4)
+
+
+def test_a_launch_hook_sends_launches_through_the_jit(monkeypatch):
+    from triton import knobs
+
+    k, compiled = _fake_kernel(monkeypatch)
+    x = torch.zeros(64)
+    k[(1,)](x, x, x, 64, 1.0, BLOCK=16)
+    seen = []
+    hook = knobs.runtime.launch_enter_hook
+    if not hasattr(hook, "add"):
+        pytest.skip(f"triton {triton.__version__}: no HookChain")
+    hook.add(seen.append)
+    try:
+        k[(1,)](x, x, x, 64, 1.0, BLOCK=16)
+    finally:
+        hook.remove(seen.append)
+    assert len(compiled) == 2 and compiled[0].calls == [], "with a hook registered the JIT must launch"
+    k[(1,)](x, x, x, 64, 1.0, BLOCK=16)
+    assert len(compiled) == 2 and len(compiled[0].calls) == 1, "hook gone: the cached kernel again"
 
 
 def test_unhashable_or_callable_grid_goes_through_the_jit(monkeypatch):

@@ -10,17 +10,20 @@ key, looks the kernel up, checks globals and builds launch metadata, before the 
 compiles if needed and launches) and keeps the compiled kernel; later calls with that key call
 its launcher directly.
 
-The key is the device, how the arguments were passed (count of positional ones, keyword names
-in order) and, per argument: constexpr parameters and launch options (num_warps, ...) by value;
-tensors by (dtype, 16-byte alignment of data_ptr); anything else by Triton's own specialisation
-of it (`native_specialize_impl` with specialisation and alignment on: int width class, == 1,
-% 16). That is at least as fine as the key the JIT computes (it may be finer where a parameter
-is `do_not_specialize`), so a cached kernel is always the one the JIT would have launched.
+Each wrapped kernel gets a runner compiled for its signature (`_generate_runner`), so Python
+binds the arguments (positional or keyword, defaults filled) and the key is one tuple expression:
+the device; constexpr parameters and launch options (num_warps, ...) by value; tensors by dtype
+and 16-byte alignment of data_ptr; int32-range ints by (== 1, % 16 == 0); anything else (wider
+ints, floats, bools, None, Tensor subclasses) by Triton's own specialisation of it
+(`native_specialize_impl` with specialisation and alignment on). That is at least as fine as the
+key the JIT computes (finer where a parameter is `do_not_specialize`), so a cached kernel is
+always the one the JIT would have launched.
 
 Where the fast path does not apply, calls go to `fn[grid]` unchanged: MOEFLOW_FAST_LAUNCH=0
 (or `moeflow.kernels.launch.ENABLED = False`), the Triton interpreter
 (TRITON_INTERPRET=1), a Triton whose launcher signature is not the one checked here, a
-callable grid, a kernel with pre-run hooks, or an argument type without a known key.
+callable grid, a kernel with pre-run hooks or a parameter named with a leading underscore, a
+registered Triton launch hook (proton and other profilers), or an unhashable argument.
 Not honoured after a key's first call: TRITON_DEBUG / instrumentation knobs changed at run
 time, and a module global read by a kernel changing after compilation (the JIT raises there;
 moeflow's kernels read no mutable globals).
@@ -30,6 +33,7 @@ from __future__ import annotations
 
 import inspect
 import os
+from functools import partial
 from typing import Any
 
 # MOEFLOW_FAST_LAUNCH=0 sends every launch through the JIT (A/B measurements, debugging);
@@ -62,7 +66,7 @@ class FastKernel:
 
     def __init__(self, fn: Any):
         self.fn = fn
-        self._cache: dict[tuple, tuple] = {}
+        self._cache: dict[tuple, Any] = {}
         self._fast = False
         try:
             from triton.runtime.jit import JITFunction
@@ -70,24 +74,11 @@ class FastKernel:
             return
         if not isinstance(fn, JITFunction) or not _fast_supported():
             return  # the interpreter's InterpretedFunction, or an unknown Triton: plain launches
-        import torch
-        from triton._C.libtriton import native_specialize_impl
-        from triton.backends.nvidia.compiler import CUDABackend
         from triton.runtime.driver import driver
 
-        self._fast = True
-        self._tensor = torch.Tensor
-        self._spec = native_specialize_impl
-        self._backend = CUDABackend
         self._driver = driver
-        params = fn.params
-        self._names = [p.name for p in params]
-        self._constexpr_pos = tuple(p.is_constexpr for p in params)
-        self._constexpr_kw = {p.name: p.is_constexpr for p in params}
-        self._defaults = [p.default for p in params]
-        from triton import knobs
-
-        self._knobs = knobs
+        self._run = _generate_runner(self)
+        self._fast = self._run is not None
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.__dict__["fn"], name)
@@ -95,62 +86,75 @@ class FastKernel:
     def __getitem__(self, grid):
         if not (self._fast and ENABLED) or callable(grid) or self.fn.pre_run_hooks:
             return self.fn[grid]
-        return lambda *args, **kwargs: self.launch(grid, args, kwargs)
+        return partial(self._run, grid)
 
-    def _arg_key(self, v: Any, by_value: bool):
-        if by_value:
-            return v
-        if isinstance(v, self._tensor):
-            return (v.dtype, v.data_ptr() & 15 == 0)
-        return self._spec(self._backend, v, False, True, True)
+    def _miss(self, grid: tuple, key: tuple | None, args: tuple, options: dict) -> None:
+        """First launch of a key (or an unhashable one): Triton's JIT compiles if needed and launches."""
+        kernel = self.fn.run(*args, grid=grid, warmup=False, **options)
+        if key is not None and kernel is not None and not hasattr(kernel, "result"):
+            self._cache[key] = kernel
 
-    def launch(self, grid: tuple, args: tuple, kwargs: dict) -> None:
-        """fn[grid](*args, **kwargs), through the cached compiled kernel when the key was seen."""
-        cx_pos, cx_kw = self._constexpr_pos, self._constexpr_kw
-        try:
-            key = (
-                self._driver.active.get_current_device(),
-                len(args),
-                tuple(kwargs),
-                tuple([self._arg_key(v, cx_pos[i]) for i, v in enumerate(args)]),
-                tuple([self._arg_key(v, cx_kw.get(k, True)) for k, v in kwargs.items()]),
-            )
-            entry = self._cache.get(key)
-        except TypeError:  # an unhashable argument (a list, ...): no key, the JIT decides
-            entry, key = None, None
-        if entry is None:
-            kernel = self.fn.run(*args, grid=grid, warmup=False, **kwargs)
-            if key is not None and kernel is not None and not hasattr(kernel, "result"):
-                self._cache[key] = (kernel, self._order(len(args), tuple(kwargs)))
-            return
-        kernel, order = entry
-        vals = args + tuple(kwargs.values())
-        full = vals if order is None else [vals[j] if j >= 0 else self._defaults[i] for i, j in enumerate(order)]
-        device = key[0]
-        stream = self._driver.active.get_current_stream(device)
-        g1 = grid[1] if len(grid) > 1 else 1
-        g2 = grid[2] if len(grid) > 2 else 1
-        knobs = self._knobs.runtime
-        enter = knobs.launch_enter_hook
-        meta = None if enter is None else kernel.launch_metadata(grid, stream, *full)
-        kernel.run(grid[0], g1, g2, stream, kernel.function, kernel.packed_metadata, meta, enter,
-                   knobs.launch_exit_hook, *full)
 
-    def _order(self, n_pos: int, kw_names: tuple) -> list[int] | None:
-        """Index into (args + kwargs values) of each parameter in signature order (-1: default).
+# Key of one runtime argument, inlined per parameter by _generate_runner (no call per argument),
+# as fine as Triton's specialisation of it: a torch.Tensor by dtype and 16-byte alignment (the
+# dtype itself when aligned, else a 1-tuple of it); an int in int32 range by "one" when == 1, else
+# whether it is % 16 == 0 (a bool); anything else (larger ints, bool, float, None, a Tensor
+# subclass, ...) by Triton's own specialisation tuple. The forms never compare equal to each other.
+_ARG_KEY = (
+    "(({p}.dtype if ({p}.data_ptr() & 15) == 0 else ({p}.dtype,)) if {p}.__class__ is _Tensor else "
+    "(('one' if {p} == 1 else ({p} & 15) == 0) if {p}.__class__ is int and -2147483648 <= {p} <= 2147483647 "
+    "else _spec(_backend, {p}, False, True, True)))"
+)
 
-        None when the call already passes every parameter in signature order (the common case).
-        Options (num_warps, ...) are kwargs that are not parameters and are dropped.
-        """
-        where = {name: i for i, name in enumerate(self._names[:n_pos])}
-        for j, k in enumerate(kw_names):
-            if k in self._constexpr_kw:
-                where[k] = n_pos + j
-        order = [where.get(name, -1) for name in self._names]
-        n_vals = n_pos + len(kw_names)
-        if order == list(range(len(self._names))) and n_vals == len(self._names):
-            return None
-        return order
+
+def _generate_runner(k: FastKernel):
+    """Compile `run(grid, <the kernel's parameters>, **options)` for one kernel (module doc).
+
+    Python binds the call's arguments to the signature (positional or keyword, defaults filled),
+    so the key and the launcher's argument list need no per-argument Python loop. Launch hooks:
+    Triton 3.6 keeps an empty HookChain in knobs.runtime.launch_enter_hook (its JIT then builds
+    launch metadata on every launch); a hook that would run sends the launch through the JIT.
+    """
+    import torch
+    from triton import knobs
+    from triton._C.libtriton import native_specialize_impl
+    from triton.backends.nvidia.compiler import CUDABackend
+
+    params = k.fn.params
+    names = [prm.name for prm in params]  # callers pass constexprs (and some others) by name
+    sig, defaults = [], {}
+    for i, (n, prm) in enumerate(zip(names, params)):
+        if prm.default is inspect.Parameter.empty:
+            sig.append(n)
+        else:
+            sig.append(f"{n}=_d{i}")
+            defaults[f"_d{i}"] = prm.default
+    keys = [n if prm.is_constexpr else _ARG_KEY.format(p=n) for n, prm in zip(names, params)]
+    args = ", ".join(names)
+    src = f"""
+def _run(_grid, {", ".join(sig)}, **_options):
+    _rt = _knobs.runtime
+    _drv = _k._driver.active
+    _device = _drv.get_current_device()
+    try:
+        _key = (_device, ({", ".join(keys)},), tuple(_options.items()) if _options else ())
+        _kernel = _cache.get(_key)
+    except TypeError:  # an unhashable argument: no key, the JIT decides every time
+        _key = _kernel = None
+    _eh, _xh = _rt.launch_enter_hook, _rt.launch_exit_hook
+    if (_kernel is None or (_eh is not None and (_eh.__class__ is not _HookChain or _eh.calls))
+            or (_xh is not None and (_xh.__class__ is not _HookChain or _xh.calls))):
+        return _k._miss(_grid, _key if _kernel is None else None, ({args},), _options)
+    _n = len(_grid)
+    _kernel.run(_grid[0], _grid[1] if _n > 1 else 1, _grid[2] if _n > 2 else 1, _drv.get_current_stream(_device),
+                _kernel.function, _kernel.packed_metadata, None, None, None, {args})
+"""
+    if any(n.startswith("_") for n in names):
+        return None  # a parameter name could collide with the runner's own names: plain launches
+    ns = dict(_k=k, _cache=k._cache, _knobs=knobs, _HookChain=getattr(knobs, "HookChain", ()), _Tensor=torch.Tensor, _spec=native_specialize_impl,
+              _backend=CUDABackend, **defaults)
+    exec(compile(src, f"<moeflow FastKernel {k.fn.__name__}>", "exec"), ns)  # noqa: S102
+    return ns["_run"]
 
 
 def fast_kernel(fn: Any) -> FastKernel:
