@@ -21,7 +21,8 @@ as built (its default experts implementation, recorded as `hf_experts_implementa
 (prefill points only) puts a module that returns its input in place of every MoE block, so its row
 is the rest of the model's wall time, a floor no MoE implementation beats in eager mode; any other
 name X is `moeflow.patch_model(model, experts=X)` before the point and `moeflow.unpatch_model(model)`
-after it (the weights are shared, never copied).
+after it (the weights are shared, never copied); "X+graphs" also calls `moeflow.enable_layer_graphs`
+(every MoE step replayed from a CUDA graph cached per token count; the timed repeats replay).
 
 Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok / error / n/a):
     prefill_tok_s, prefill_ms     one forward of batch 1, seq T, use_cache=False, logits_to_keep=1
@@ -254,13 +255,21 @@ def _remove_no_moe(model) -> None:
             setattr(model.get_submodule(parent) if parent else model, attr, m.block[0])
 
 
+# A variant name ending in GRAPHS is patch_model(experts=<name before it>) plus
+# moeflow.enable_layer_graphs(model): each MoE step replayed from a CUDA graph cached per T.
+GRAPHS = "+graphs"
+
+
 def apply_variant(model, variant: str) -> None:
     if variant == NO_MOE:
         _install_no_moe(model)
     elif variant != "hf":
         import moeflow
 
-        moeflow.patch_model(model, experts=variant)
+        graphs = variant.endswith(GRAPHS)
+        moeflow.patch_model(model, experts=variant[: -len(GRAPHS)] if graphs else variant)
+        if graphs:
+            moeflow.enable_layer_graphs(model)
 
 
 def remove_variant(model) -> None:
@@ -1024,7 +1033,8 @@ def parse_args(argv=None):
     ap.add_argument("--prefill-T", default=None, help="comma list (512,2048,8192; quick 2048,8192)")
     ap.add_argument("--variants", default="hf,auto,triton_bi",
                     help="hf = unpatched; no_moe = every MoE block returns its input (prefill only: the "
-                         "floor of the rest of the model); any other name is patch_model(model, experts=name)")
+                         "floor of the rest of the model); any other name is patch_model(model, experts=name), "
+                         "with a '+graphs' suffix also enable_layer_graphs")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per generate (32; quick 16)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens for generate (32)")
     ap.add_argument("--accuracy-T", type=int, default=None, help="tokens of the accuracy forward (256)")

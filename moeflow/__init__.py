@@ -30,6 +30,8 @@ _EXPORTS: dict[str, str] = {
     "PatchReport": "moeflow.hf",
     "unpatch_model": "moeflow.hf",
     "moe_layers": "moeflow.hf",
+    "enable_layer_graphs": "moeflow.hf",
+    "LayerGraphs": "moeflow.layer_graphs",
     "register_experts_interface": "moeflow.hf",
     "CheckpointIndex": "moeflow.checkpoint",
     "load_moe_layer": "moeflow.checkpoint",

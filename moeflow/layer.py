@@ -172,6 +172,8 @@ class MoELayer(TensorRefs):
     Attributes:
         source, dispatcher: the stages this layer runs.
         last_routing: the latest forward's RoutingResult (None before the first).
+        graphs: a moeflow.layer_graphs.LayerGraphs: eligible steps replay from CUDA graphs
+            cached per token count (None, the default: every step eager).
         last_handle: the latest dispatch handle of an expert-parallel dispatcher (None
             for the local one, whose handle would keep the step's rows alive).
         impl_name: name of the experts implementation the latest forward ran (before
@@ -255,6 +257,8 @@ class MoELayer(TensorRefs):
         self.dispatcher = dispatcher
         self.last_routing: RoutingResult | None = None
         self.last_handle = None
+        # A moeflow.layer_graphs.LayerGraphs replays this layer's steps from CUDA graphs (None: eager).
+        self.graphs = None
         # Validates a named choice now (ValueError with the impl's reason) rather than at
         # the first forward.
         device = getattr(source, "device", None) or torch.device("cpu")
@@ -453,13 +457,23 @@ class MoELayer(TensorRefs):
             r_TH = router_input.reshape(-1, H)
         if input_ids is not None and isinstance(input_ids, torch.Tensor) and input_ids.numel() != T:
             raise ValueError(f"input_ids: {input_ids.numel()} ids, expected one per token (T={T})")
-        routing = self.route(r_TH, input_ids=input_ids)
+        graphs = self.graphs
+        if graphs is not None and graphs.eligible(self, x_TH, input_ids, router_input):
+            out_TH = graphs.run(self, x_TH, self._step)
+        else:
+            out_TH = self._step(x_TH, input_ids=input_ids, r_TH=r_TH)
+        return out_TH.view(x.shape)
+
+    def _step(self, x_TH: torch.Tensor, *, input_ids: torch.Tensor | None = None,
+              r_TH: torch.Tensor | None = None) -> torch.Tensor:
+        """One validated step: route (on r_TH, default x_TH) -> experts -> + shared expert; out [T, H]."""
+        routing = self.route(x_TH if r_TH is None else r_TH, input_ids=input_ids)
         self.__dict__["last_routing"] = routing  # a plain attribute (see experts_forward)
         out_TH = self.experts_forward(x_TH, routing)
         shared_TH = self.shared_forward(x_TH)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH
-        return out_TH.view(x.shape)
+        return out_TH
 
     def token_stats(self) -> dict[str, int]:
         """Pair counts of the latest forward of an expert-parallel layer (see the dispatcher)."""

@@ -11,7 +11,8 @@ Modules, one concern each:
     interface  transformers' experts interface ("moeflow" experts under HF's routing).
     util       attribute paths, the families with an HF block description.
     graphs     StaticDecoder: greedy decode with a static KV cache, each step replayed from
-               one CUDA graph (the host time of a patched step gone).
+               one CUDA graph (the host time of a patched step gone); enable_layer_graphs:
+               each MoE layer step of an eager forward replayed from a per-T graph.
 
 `import moeflow.hf` registers "moeflow" in transformers' experts interface (an explicit
 call of `register_experts_interface()`, a no-op where transformers has no interface).
@@ -20,7 +21,7 @@ call of `register_experts_interface()`, a no-op where transformers has no interf
 from __future__ import annotations
 
 from .blocks import MoEBlock
-from .graphs import StaticDecoder
+from .graphs import StaticDecoder, disable_layer_graphs, enable_layer_graphs
 from .interface import moeflow_experts_forward, register_experts_interface
 from .patch import PatchedBlock, PatchReport, check_routing, moe_layers, patch_model, unpatch_model
 from .util import available_hf_families, hf_families
@@ -33,6 +34,8 @@ __all__ = [
     "StaticDecoder",
     "available_hf_families",
     "check_routing",
+    "disable_layer_graphs",
+    "enable_layer_graphs",
     "hf_families",
     "moe_layers",
     "moeflow_experts_forward",

@@ -34,7 +34,43 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-__all__ = ["StaticDecoder"]
+__all__ = ["StaticDecoder", "disable_layer_graphs", "enable_layer_graphs"]
+
+
+def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after: int = 1):
+    """Replay every MoE layer step of a patched model from CUDA graphs cached per token count.
+
+    The eager forward (HF's `generate`, a prefill) keeps its Python for attention and the rest
+    of the model; each MoE block's step (router, experts, shared expert: ~20 aten ops and 5-8
+    Triton launches) becomes an input copy, one graph replay and an output copy once its token
+    count has been seen `capture_after` times. Outputs equal the eager steps' bit for bit.
+    One LayerGraphs serves all layers (one memory pool); see moeflow.layer_graphs for when a
+    step stays eager. Returns it (counters `captures` / `replays` / `eager`; `clear()`);
+    `disable_layer_graphs(model)` turns it off.
+
+    Raises ValueError if the model is not patched.
+    """
+    from ..layer_graphs import LayerGraphs
+    from .patch import moe_layers
+
+    layers = moe_layers(model)
+    if not layers:
+        raise ValueError(f"enable_layer_graphs: {type(model).__name__} has no patched MoE layer "
+                         "(call moeflow.patch_model first)")
+    graphs = LayerGraphs(max_shapes=max_shapes, capture_after=capture_after)
+    for layer in layers:
+        layer.graphs = graphs
+    return graphs
+
+
+def disable_layer_graphs(model: nn.Module) -> None:
+    """Every MoE layer step of a patched model eager again (the graphs are freed)."""
+    from .patch import moe_layers
+
+    for layer in moe_layers(model):
+        if layer.graphs is not None:
+            layer.graphs.clear()
+        layer.graphs = None
 
 
 def _static_cache(model: nn.Module, batch_size: int, max_len: int):
