@@ -49,6 +49,18 @@ ALIGN_SUB = 32
 ALIGN_BLOCKS = 16
 # Chunk histograms summed together by the place kernel ([ROWS, E_PAD] loads).
 ALIGN_ROWS = 16
+# Place a chunk's pairs by one sort (tl.sort + tl.gather) instead of CHUNK / SUB serial one-hot
+# steps; same layout. None: sorted on the GPU, serial steps under the Triton interpreter (whose
+# tl.sort is ~7x slower there than the steps). benchmarks/diag_align.py times both.
+ALIGN_SORTED: bool | None = None
+
+
+def _sorted_scatter() -> bool:
+    if ALIGN_SORTED is not None:
+        return ALIGN_SORTED
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -91,6 +103,26 @@ def _scatter_range(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, SUB: tl.constexpr, E
 
 
 @triton.jit
+def _scatter_sorted(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """_scatter_range's result for one range of at most CHUNK pairs, with no serial loop.
+
+    Sorting key = id * CHUNK + position groups the pairs by expert and keeps their order inside
+    one (stable, as the layout requires); a pair's rank among its expert's pairs is its sorted
+    position minus the number of pairs of smaller ids (the exclusive cumsum of the range's
+    histogram). Invalid / masked-out pairs carry id E (the spare bin) and are not stored.
+    """
+    pos = tl.arange(0, CHUNK)
+    ids = _load_ids(ids_ptr, n_lo + pos, n_hi, E)
+    sk = tl.sort(ids * CHUNK + pos)
+    sid = sk // CHUNK
+    src = n_lo + sk % CHUNK
+    hist = tl.histogram(ids, E_PAD).to(tl.int32)
+    first = tl.cumsum(hist, 0) - hist
+    dest = tl.gather(run, sid, 0) + pos - tl.gather(first, sid, 0)
+    tl.store(sorted_ptr + dest, src, mask=sid < E)
+
+
+@triton.jit
 def _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, b_lo, b_hi,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
     """block_expert for blocks [b_lo, min(b_hi, max_blocks)), and the N sentinel at their padding slots.
@@ -129,13 +161,16 @@ def _padded_starts(count, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 @triton.jit(do_not_specialize=["N", "max_blocks"])
 def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_blocks,
                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           SUB: tl.constexpr, BLOCKS: tl.constexpr):
+                           SUB: tl.constexpr, BLOCKS: tl.constexpr, SORTED: tl.constexpr):
     """One program: count, scan, scatter. For N <= ALIGN_FUSED_MAX (decode)."""
     count = _count_range(ids_ptr, 0, N, E, CHUNK, E_PAD)
     count, start = _padded_starts(count, E, BLOCK_M, E_PAD)
     _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, 0, max_blocks, BLOCK_M, E_PAD,
                   BLOCKS)
-    _scatter_range(ids_ptr, sorted_ptr, start, 0, N, E, SUB, E_PAD)
+    if SORTED:  # CHUNK >= N here (the launcher's choice)
+        _scatter_sorted(ids_ptr, sorted_ptr, start, 0, N, E, CHUNK, E_PAD)
+    else:
+        _scatter_range(ids_ptr, sorted_ptr, start, 0, N, E, SUB, E_PAD)
 
 
 @fast_kernel
@@ -153,7 +188,7 @@ def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD
 @triton.jit(do_not_specialize=["N", "num_chunks", "max_blocks"])
 def moe_align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, N, E, num_chunks, max_blocks,
                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                           BLOCKS: tl.constexpr, ROWS: tl.constexpr):
+                           BLOCKS: tl.constexpr, ROWS: tl.constexpr, SORTED: tl.constexpr):
     """Grid (num_chunks,): program c sums the chunk histograms (all of them, and those before c,
     ROWS at a time), places chunk c's pairs from there, and writes its share of the blocks.
 
@@ -176,7 +211,10 @@ def moe_align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, N,
                   BLOCK_M, E_PAD, BLOCKS)
     n_lo = c * CHUNK
     n_hi = tl.minimum(n_lo + CHUNK, N)
-    _scatter_range(ids_ptr, sorted_ptr, start + before, n_lo, n_hi, E, SUB, E_PAD)
+    if SORTED:
+        _scatter_sorted(ids_ptr, sorted_ptr, start + before, n_lo, n_hi, E, CHUNK, E_PAD)
+    else:
+        _scatter_range(ids_ptr, sorted_ptr, start + before, n_lo, n_hi, E, SUB, E_PAD)
 
 
 def _next_pow2(n: int) -> int:
@@ -204,12 +242,13 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     # Registers for the [BLOCKS, E_PAD] and [SUB, E_PAD] matrices: keep ~32 ints a thread.
     warps = 4 if e_pad <= 256 else 8
     if n <= ALIGN_FUSED_MAX:
-        # decode: a histogram as wide as the pairs (a few buckets, few compiles)
-        chunk = 64 if n <= 64 else _next_pow2(n)
+        # decode: a histogram as wide as the pairs (a few buckets, few compiles); the sorted
+        # placement sorts all pairs at once, so only where they fit one chunk
+        chunk = 64 if n <= 64 else min(_next_pow2(n), 4096)
         moe_align_fused_kernel[(1,)](
             ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
-            num_warps=warps,
+            SORTED=_sorted_scatter() and chunk >= n, num_warps=warps,
         )
         return
     chunk = align_chunk(n)
@@ -221,4 +260,5 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4)
     moe_align_place_kernel[(num_chunks,)](ids_N, counts, sorted_P, block_expert_B, n, num_experts, num_chunks,
                                           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB,
-                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, num_warps=warps)
+                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=_sorted_scatter(),
+                                          num_warps=warps)
