@@ -33,15 +33,18 @@ BLOCK_M = 64
 
 
 def _variants():
-    """(name, fused_max, chunk, sub, max_chunks) for every schedule tried; the first is today's default."""
+    """(name, fused_max, chunk, sub, max_chunks, sorted) for every schedule tried; the first is today's default."""
     import moeflow.kernels.moe_align as A
 
-    out = [("default", A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS)]
+    out = [("default", A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)]
     for fused_max in (0, 1 << 30):
         # chunk swept at SUB 32, SUB swept at chunk 1024 (a full grid compiles ~3x as many kernels)
-        for chunk, sub in [(c, 32) for c in (256, 512, 1024, 2048, 4096)] + [(1024, 16), (1024, 64)]:
-            # the chunk exactly (no cap on the chunk count)
-            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", fused_max, chunk, sub, 1 << 30))
+        for chunk, sub in [(c, 32) for c in (128, 256, 512, 1024, 2048)] + [(256, 16), (256, 64)]:
+            # the chunk exactly (no cap on the chunk count), serial one-hot steps
+            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", fused_max, chunk, sub, 1 << 30,
+                        False))
+        for chunk in (128, 256, 512, 1024, 2048):  # placed by one sort per chunk
+            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} sort", fused_max, chunk, 32, 1 << 30, True))
     return out
 
 
@@ -52,7 +55,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import moeflow.kernels.moe_align as A
 
-    saved = (A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS)
+    saved = (A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     print("GPU us from CUDA graph replays (L2 flushed); 'eager' adds the host's launch gaps")
@@ -65,8 +68,11 @@ def main(argv=None) -> int:
         ref = None
         times = {}
         all_match = True
-        for name, fused_max, chunk, sub, max_chunks in _variants():
+        for name, fused_max, chunk, sub, max_chunks, sorted_ in _variants():
+            if name.startswith("one") and n > 4096:
+                continue  # one program over 16k+ pairs took 1-5 ms (2026-12-03): not a candidate
             A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS = fused_max, chunk, sub, max_chunks
+            A.ALIGN_SORTED = sorted_
             sorted_P = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device="cuda")
             be_B = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
             scratch = torch.empty(2 * (-(-n // A.align_chunk(n))) * 1024, dtype=torch.int32, device="cuda")
@@ -88,7 +94,7 @@ def main(argv=None) -> int:
             # GPU time from a CUDA graph replay: eager events would time the host's launch gaps
             times[name] = time_cuda_graph(step, reps=args.reps) * 1e6
             times[name + " eager"] = time_cuda(step, reps=10, warmup=2) * 1e6
-        A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS = saved
+        A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED = saved
         graph = {k: v for k, v in times.items() if not k.endswith(" eager")}
         best = min(graph, key=graph.get)
         one = min((v for k, v in graph.items() if k.startswith("one")), default=float("nan"))

@@ -391,12 +391,27 @@ def expected_alignment(ids, E, bm):
 
 
 def check_alignment(device: str) -> None:
+    import moeflow.kernels.moe_align as A
+
+    cases = [(1, 1, 16), (7, 3, 16), (100, 61, 16), (64, 8, 64), (A.ALIGN_FUSED_MAX + 1, 257, 32),
+             (5000, 5, 128), (3000, 61, 16), (2048, 3, 16), (40000, 7, 64)]  # the last: 512-pair chunks
+    # Both ways of placing a chunk's pairs (sort, serial one-hot steps); the interpreter's tl.sort is
+    # slow, so there the sorted one runs on the small cases only.
+    saved = A.ALIGN_SORTED
+    try:
+        for sorted_ in (True, False):
+            A.ALIGN_SORTED = sorted_
+            _check_alignment_cases(device, cases if device != "cpu" or not sorted_ else cases[:5] + [(700, 5, 16)])
+    finally:
+        A.ALIGN_SORTED = saved
+
+
+def _check_alignment_cases(device: str, cases) -> None:
+    import moeflow.kernels.moe_align as A
     from moeflow.experts.triton import max_blocks_for
-    from moeflow.kernels.moe_align import ALIGN_FUSED_MAX, align_launch
+    from moeflow.kernels.moe_align import align_launch
 
     g = torch.Generator().manual_seed(3)
-    cases = [(1, 1, 16), (7, 3, 16), (100, 61, 16), (64, 8, 64), (ALIGN_FUSED_MAX + 1, 257, 32),
-             (5000, 5, 128), (3000, 61, 16), (2048, 3, 16), (40000, 7, 64)]  # the last: 512-pair chunks
     for N, E, bm in cases:
         for skew in (False, True):
             ids = torch.randint(0, E, (N,), generator=g, dtype=torch.int32)
@@ -410,9 +425,10 @@ def check_alignment(device: str) -> None:
             align_launch(ids, E, bm, sp, be)
             want_sp, want_be = expected_alignment(ids, E, bm)
             got_sp, got_be = sp.cpu().tolist(), be.cpu().tolist()
-            assert got_sp[: len(want_sp)] == want_sp, (N, E, bm, skew)
-            assert got_be[: len(want_be)] == want_be, (N, E, bm, skew)
-            assert all(b == -1 for b in got_be[len(want_be):]), (N, E, bm, skew, got_be[len(want_be):])
+            where = dict(N=N, E=E, bm=bm, skew=skew, sorted=A.ALIGN_SORTED)
+            assert got_sp[: len(want_sp)] == want_sp, where
+            assert got_be[: len(want_be)] == want_be, where
+            assert all(b == -1 for b in got_be[len(want_be):]), (where, got_be[len(want_be):])
 
 
 FAMILIES = [

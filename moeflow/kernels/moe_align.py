@@ -20,7 +20,8 @@ the combine pass writes NaN for them (loud, never a silent clamp).
 
 Two schedules, same results bit for bit:
   * N <= ALIGN_FUSED_MAX: one program does count, scan and scatter (decode: one launch);
-  * larger N: count per chunk (grid) -> scan (one program) -> scatter per chunk (grid),
+  * larger N: count per chunk (grid) -> place per chunk (grid: each program sums the chunk
+    histograms itself, places its chunk's pairs and writes its share of the blocks),
     chunks of align_chunk(N) pairs.
 Counting uses integer histograms, so results never depend on thread timing.
 """
@@ -37,7 +38,8 @@ from .launch import fast_kernel
 # program's serial scatter (N / SUB steps) took 145 us at N = 2048 where count/scan/scatter with
 # 256-pair chunks took 33 us (46 vs 31 us at N = 512, 6.4 vs 10 us at N = 8: three launches);
 # 256-pair chunks were fastest up to N = 16384 (52 vs 93 us with 1024), 512-pair ones at
-# 49152-65536 (the one-program scan over chunks grows with their count).
+# 49152-65536 (the one-program scan over chunks grew with their count; the place kernel that
+# replaced it sums the histograms ALIGN_ROWS chunks at a time in every program).
 ALIGN_FUSED_MAX = 256
 ALIGN_CHUNK = 256
 ALIGN_MAX_CHUNKS = 128
@@ -45,6 +47,20 @@ ALIGN_MAX_CHUNKS = 128
 ALIGN_SUB = 32
 # Blocks handled together when writing block_expert ([BLOCKS, E_PAD] comparison).
 ALIGN_BLOCKS = 16
+# Chunk histograms summed together by the place kernel ([ROWS, E_PAD] loads).
+ALIGN_ROWS = 16
+# Place a chunk's pairs by one sort (tl.sort + tl.gather) instead of CHUNK / SUB serial one-hot
+# steps; same layout. None: sorted on the GPU, serial steps under the Triton interpreter (whose
+# tl.sort is ~7x slower there than the steps). benchmarks/diag_align.py times both.
+ALIGN_SORTED: bool | None = None
+
+
+def _sorted_scatter() -> bool:
+    if ALIGN_SORTED is not None:
+        return ALIGN_SORTED
+    import os
+
+    return os.environ.get("TRITON_INTERPRET") != "1"
 
 
 @triton.jit
@@ -87,9 +103,29 @@ def _scatter_range(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, SUB: tl.constexpr, E
 
 
 @triton.jit
-def _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks,
+def _scatter_sorted(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+    """_scatter_range's result for one range of at most CHUNK pairs, with no serial loop.
+
+    Sorting key = id * CHUNK + position groups the pairs by expert and keeps their order inside
+    one (stable, as the layout requires); a pair's rank among its expert's pairs is its sorted
+    position minus the number of pairs of smaller ids (the exclusive cumsum of the range's
+    histogram). Invalid / masked-out pairs carry id E (the spare bin) and are not stored.
+    """
+    pos = tl.arange(0, CHUNK)
+    ids = _load_ids(ids_ptr, n_lo + pos, n_hi, E)
+    sk = tl.sort(ids * CHUNK + pos)
+    sid = sk // CHUNK
+    src = n_lo + sk % CHUNK
+    hist = tl.histogram(ids, E_PAD).to(tl.int32)
+    first = tl.cumsum(hist, 0) - hist
+    dest = tl.gather(run, sid, 0) + pos - tl.gather(first, sid, 0)
+    tl.store(sorted_ptr + dest, src, mask=sid < E)
+
+
+@triton.jit
+def _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, b_lo, b_hi,
                   BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
-    """block_expert for every block < max_blocks, and the N sentinel at each padding slot.
+    """block_expert for blocks [b_lo, min(b_hi, max_blocks)), and the N sentinel at their padding slots.
 
     start/count: int32 [E_PAD] padded start and pair count of each expert (0 for e >= E).
     """
@@ -98,13 +134,14 @@ def _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks,
     end = start + padded
     total = tl.sum(padded, 0)
     fill_end = start + count
-    for b0 in range(0, max_blocks, BLOCKS):
+    b_end = tl.minimum(b_hi, max_blocks)
+    for b0 in range(b_lo, b_end, BLOCKS):
         b = b0 + tl.arange(0, BLOCKS)
         p = b * BLOCK_M
         # owner of the block = the first expert whose padded range ends after p
         owner = tl.sum((end[None, :] <= p[:, None]).to(tl.int32), 1)
-        used = (p < total) & (b < max_blocks)
-        tl.store(block_expert_ptr + b, tl.where(used, owner, -1), mask=b < max_blocks)
+        used = (p < total) & (b < b_end)
+        tl.store(block_expert_ptr + b, tl.where(used, owner, -1), mask=b < b_end)
         own_fill_end = tl.sum(tl.where(e_idx[None, :] == owner[:, None], fill_end[None, :], 0), 1)
         pos = p[:, None] + tl.arange(0, BLOCK_M)[None, :]  # [BLOCKS, BM]
         pad = used[:, None] & (pos >= own_fill_end[:, None])
@@ -124,12 +161,16 @@ def _padded_starts(count, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 @triton.jit(do_not_specialize=["N", "max_blocks"])
 def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_blocks,
                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           SUB: tl.constexpr, BLOCKS: tl.constexpr):
+                           SUB: tl.constexpr, BLOCKS: tl.constexpr, SORTED: tl.constexpr):
     """One program: count, scan, scatter. For N <= ALIGN_FUSED_MAX (decode)."""
     count = _count_range(ids_ptr, 0, N, E, CHUNK, E_PAD)
     count, start = _padded_starts(count, E, BLOCK_M, E_PAD)
-    _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, BLOCK_M, E_PAD, BLOCKS)
-    _scatter_range(ids_ptr, sorted_ptr, start, 0, N, E, SUB, E_PAD)
+    _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, 0, max_blocks, BLOCK_M, E_PAD,
+                  BLOCKS)
+    if SORTED:  # CHUNK >= N here (the launcher's choice)
+        _scatter_sorted(ids_ptr, sorted_ptr, start, 0, N, E, CHUNK, E_PAD)
+    else:
+        _scatter_range(ids_ptr, sorted_ptr, start, 0, N, E, SUB, E_PAD)
 
 
 @fast_kernel
@@ -144,32 +185,36 @@ def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD
 
 
 @fast_kernel
-@triton.jit(do_not_specialize=["num_chunks", "N", "max_blocks"])
-def moe_align_scan_kernel(counts_ptr, base_ptr, sorted_ptr, block_expert_ptr, num_chunks, N, E,
-                          max_blocks, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, BLOCKS: tl.constexpr):
-    """One program: base_CE[c] = first padded position of chunk c's pairs of each expert."""
-    e_idx = tl.arange(0, E_PAD)
-    count = tl.zeros([E_PAD], dtype=tl.int32)
-    for c in range(num_chunks):
-        count += tl.load(counts_ptr + c * E_PAD + e_idx)
-    count, start = _padded_starts(count, E, BLOCK_M, E_PAD)
-    _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, BLOCK_M, E_PAD, BLOCKS)
-    run = start
-    for c in range(num_chunks):
-        tl.store(base_ptr + c * E_PAD + e_idx, run)
-        run += tl.load(counts_ptr + c * E_PAD + e_idx)
+@triton.jit(do_not_specialize=["N", "num_chunks", "max_blocks"])
+def moe_align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, N, E, num_chunks, max_blocks,
+                           BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
+                           BLOCKS: tl.constexpr, ROWS: tl.constexpr, SORTED: tl.constexpr):
+    """Grid (num_chunks,): program c sums the chunk histograms (all of them, and those before c,
+    ROWS at a time), places chunk c's pairs from there, and writes its share of the blocks.
 
-
-@fast_kernel
-@triton.jit(do_not_specialize=["N"])
-def moe_align_scatter_kernel(ids_ptr, base_ptr, sorted_ptr, N, E, CHUNK: tl.constexpr,
-                             SUB: tl.constexpr, E_PAD: tl.constexpr):
-    """Grid (num_chunks,): place chunk c's pairs from base_CE[c]."""
+    Every program computes the same totals from the same integers, so the layout equals the
+    one-program schedule's; no scan program, no third launch.
+    """
     c = tl.program_id(0)
+    e_idx = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], dtype=tl.int32)
+    before = tl.zeros([E_PAD], dtype=tl.int32)
+    for r0 in range(0, num_chunks, ROWS):
+        rows = r0 + tl.arange(0, ROWS)
+        blk = tl.load(counts_ptr + rows[:, None] * E_PAD + e_idx[None, :], mask=(rows < num_chunks)[:, None],
+                      other=0)
+        total += tl.sum(blk, 0)
+        before += tl.sum(tl.where((rows < c)[:, None], blk, 0), 0)
+    count, start = _padded_starts(total, E, BLOCK_M, E_PAD)
+    per = tl.cdiv(max_blocks, num_chunks)
+    _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, c * per, c * per + per,
+                  BLOCK_M, E_PAD, BLOCKS)
     n_lo = c * CHUNK
     n_hi = tl.minimum(n_lo + CHUNK, N)
-    run = tl.load(base_ptr + c * E_PAD + tl.arange(0, E_PAD))
-    _scatter_range(ids_ptr, sorted_ptr, run, n_lo, n_hi, E, SUB, E_PAD)
+    if SORTED:
+        _scatter_sorted(ids_ptr, sorted_ptr, start + before, n_lo, n_hi, E, CHUNK, E_PAD)
+    else:
+        _scatter_range(ids_ptr, sorted_ptr, start + before, n_lo, n_hi, E, SUB, E_PAD)
 
 
 def _next_pow2(n: int) -> int:
@@ -186,7 +231,8 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     """Fill sorted_P and block_expert_B (preallocated, see module docstring) from ids_N.
 
     ids_N: int32 [N] contiguous, on the GPU. No host sync; capturable in a CUDA graph.
-    scratch: int32 [2 * num_chunks * E_PAD] for the multi-kernel schedule (allocated if None).
+    scratch: int32 [>= num_chunks * E_PAD] for the multi-kernel schedule's chunk histograms
+        (allocated if None).
     """
     import torch
 
@@ -196,24 +242,23 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     # Registers for the [BLOCKS, E_PAD] and [SUB, E_PAD] matrices: keep ~32 ints a thread.
     warps = 4 if e_pad <= 256 else 8
     if n <= ALIGN_FUSED_MAX:
-        # decode: a histogram as wide as the pairs (a few buckets, few compiles)
-        chunk = 64 if n <= 64 else _next_pow2(n)
+        # decode: a histogram as wide as the pairs (a few buckets, few compiles); the sorted
+        # placement sorts all pairs at once, so only where they fit one chunk
+        chunk = 64 if n <= 64 else min(_next_pow2(n), 4096)
         moe_align_fused_kernel[(1,)](
             ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
-            num_warps=warps,
+            SORTED=_sorted_scatter() and chunk >= n, num_warps=warps,
         )
         return
     chunk = align_chunk(n)
     num_chunks = triton.cdiv(n, chunk)
     if scratch is None:
-        scratch = torch.empty(2 * num_chunks * e_pad, dtype=torch.int32, device=ids_N.device)
-    counts = scratch[: num_chunks * e_pad]
-    base = scratch[num_chunks * e_pad: 2 * num_chunks * e_pad]
-    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad,
-                                          num_warps=4)
-    moe_align_scan_kernel[(1,)](counts, base, sorted_P, block_expert_B, num_chunks, n, num_experts,
-                                max_blocks, BLOCK_M=block_m, E_PAD=e_pad, BLOCKS=ALIGN_BLOCKS,
-                                num_warps=warps)
-    moe_align_scatter_kernel[(num_chunks,)](ids_N, base, sorted_P, n, num_experts, CHUNK=chunk,
-                                            SUB=ALIGN_SUB, E_PAD=e_pad, num_warps=warps)
+        counts = torch.empty(num_chunks * e_pad, dtype=torch.int32, device=ids_N.device)
+    else:
+        counts = scratch[: num_chunks * e_pad]
+    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4)
+    moe_align_place_kernel[(num_chunks,)](ids_N, counts, sorted_P, block_expert_B, n, num_experts, num_chunks,
+                                          max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB,
+                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=_sorted_scatter(),
+                                          num_warps=warps)
