@@ -64,17 +64,24 @@ class LayerGraphs:
     Args:
         max_shapes: token counts kept per layer (least recently used evicted), >= 1.
         capture_after: eager steps of a T before it is captured (>= 1: the first compiles).
+        max_bytes: budget for the kept input / output buffers of all layers (a prefill of
+            T = 2048 at H = 2048 keeps 16 MiB per layer); a capture that would exceed it is
+            not made (that step stays eager, `refused` says why).
     Attributes:
         captures, replays, eager: counters over all layers (benchmarks, tests).
     """
 
-    def __init__(self, *, max_shapes: int = 8, capture_after: int = 1) -> None:
+    def __init__(self, *, max_shapes: int = 8, capture_after: int = 1, max_bytes: int = 4 << 30) -> None:
         if isinstance(max_shapes, bool) or not isinstance(max_shapes, int) or max_shapes < 1:
             raise ValueError(f"max_shapes={max_shapes!r}: expected an int >= 1")
         if isinstance(capture_after, bool) or not isinstance(capture_after, int) or capture_after < 1:
             raise ValueError(f"capture_after={capture_after!r}: expected an int >= 1 (the first step compiles)")
+        if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+            raise ValueError(f"max_bytes={max_bytes!r}: expected an int >= 0")
         self.max_shapes = max_shapes
         self.capture_after = capture_after
+        self.max_bytes = max_bytes
+        self.bytes = 0  # input + output buffers kept now
         self._pool = None
         self._layers: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # layer -> _LayerState
         self.captures = self.replays = self.eager = 0
@@ -88,6 +95,7 @@ class LayerGraphs:
         """Drop every captured graph (frees their buffers and the pool)."""
         self._layers.clear()
         self._pool = None
+        self.bytes = 0
 
     @staticmethod
     def eligible(layer, x_TH: torch.Tensor, input_ids, router_input) -> bool:
@@ -129,6 +137,11 @@ class LayerGraphs:
         return entry.out_TH.clone()
 
     def _capture(self, layer, st: _LayerState, x_TH: torch.Tensor, step) -> _Entry | None:
+        T = int(x_TH.shape[0])
+        need = 2 * x_TH.numel() * x_TH.element_size()  # input copy + output (the routing's are small)
+        if self.bytes + need > self.max_bytes:
+            st.refused[T] = f"memory budget: {self.bytes} + {need} bytes > max_bytes={self.max_bytes}"
+            return None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         x_buf = x_TH.clone()
@@ -150,9 +163,11 @@ class LayerGraphs:
         # The capture ran the layer's Python once: its routing status went to the monitor (or was
         # left to the caller under capture), and last_routing is the graph's routing buffers.
         entry = _Entry(graph=graph, x_TH=x_buf, out_TH=out, routing=layer.last_routing)
-        st.entries[int(x_TH.shape[0])] = entry
+        st.entries[T] = entry
+        self.bytes += need
         if len(st.entries) > self.max_shapes:
-            st.entries.popitem(last=False)
+            _, old = st.entries.popitem(last=False)
+            self.bytes -= 2 * old.x_TH.numel() * old.x_TH.element_size()
         self.captures += 1
         return entry
 

@@ -42,7 +42,7 @@ def _layer(device: str, dtype: torch.dtype, *, E=16, K=4, H=256, I=128, shared=F
 
 
 @pytest.mark.parametrize("kw", [dict(max_shapes=0), dict(max_shapes=True), dict(max_shapes=2.0),
-                                dict(capture_after=0), dict(capture_after=None)])
+                                dict(capture_after=0), dict(capture_after=None), dict(max_bytes=-1)])
 def test_bad_arguments_are_named(kw):
     name = next(iter(kw))
     with pytest.raises(ValueError, match=name):
@@ -118,6 +118,22 @@ def test_gpu_lru_eviction_keeps_results():
     for i, ((o, _), (wo, _)) in enumerate(zip(got, want)):
         assert_bitwise_equal(o, wo, what=f"step {i} (T={order[i]})")
     assert graphs.captures > 3, "T=5 was evicted by 6 and 7 and captured again"
+
+
+@pytest.mark.gpu
+@needs_gpu
+def test_gpu_memory_budget_refuses_a_capture():
+    layer = _layer("cuda", torch.bfloat16, impl="triton")
+    x_small = torch.randn(4, 256, device="cuda", dtype=torch.bfloat16)
+    x_big = torch.randn(64, 256, device="cuda", dtype=torch.bfloat16)
+    layer.graphs = graphs = LayerGraphs(max_bytes=2 * x_small.numel() * 2)  # room for T = 4 only
+    with torch.no_grad():
+        want = layer(x_big).clone()  # no graph yet: eager
+        for _ in range(3):
+            layer(x_small)
+            assert_bitwise_equal(layer(x_big), want, what="T = 64 step over the budget (eager)")
+    assert graphs.captures == 1 and graphs.bytes == 2 * x_small.numel() * 2
+    assert "memory budget" in graphs.refused(layer)[64]
 
 
 @pytest.mark.gpu

@@ -37,16 +37,16 @@ from torch import nn
 __all__ = ["StaticDecoder", "disable_layer_graphs", "enable_layer_graphs"]
 
 
-def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after: int = 1):
+def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after: int = 1, max_bytes: int = 4 << 30):
     """Replay every MoE layer step of a patched model from CUDA graphs cached per token count.
 
     The eager forward (HF's `generate`, a prefill) keeps its Python for attention and the rest
     of the model; each MoE block's step (router, experts, shared expert: ~20 aten ops and 5-8
     Triton launches) becomes an input copy, one graph replay and an output copy once its token
     count has been seen `capture_after` times. Outputs equal the eager steps' bit for bit.
-    One LayerGraphs serves all layers (one memory pool); see moeflow.layer_graphs for when a
-    step stays eager. Returns it (counters `captures` / `replays` / `eager`; `clear()`);
-    `disable_layer_graphs(model)` turns it off.
+    One LayerGraphs serves all layers (one memory pool, `max_bytes` of kept buffers); see
+    moeflow.layer_graphs for when a step stays eager. Returns it (counters `captures` /
+    `replays` / `eager`; `clear()`); `disable_layer_graphs(model)` turns it off.
 
     Raises ValueError if the model is not patched.
     """
@@ -57,7 +57,7 @@ def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after:
     if not layers:
         raise ValueError(f"enable_layer_graphs: {type(model).__name__} has no patched MoE layer "
                          "(call moeflow.patch_model first)")
-    graphs = LayerGraphs(max_shapes=max_shapes, capture_after=capture_after)
+    graphs = LayerGraphs(max_shapes=max_shapes, capture_after=capture_after, max_bytes=max_bytes)
     for layer in layers:
         layer.graphs = graphs
     return graphs
