@@ -58,6 +58,12 @@ class _LayerState:
     refused: dict = field(default_factory=dict)  # T -> why the capture failed
 
 
+def _key(x_TH: torch.Tensor) -> tuple[int, bool]:
+    """Cache key of a step: T, and whether it runs under torch.inference_mode (buffers captured
+    there are inference tensors, which a step outside it may not copy into)."""
+    return int(x_TH.shape[0]), torch.is_inference_mode_enabled()
+
+
 class LayerGraphs:
     """Cache of captured MoE layer steps by (layer, T); see the module docstring.
 
@@ -89,7 +95,7 @@ class LayerGraphs:
     def refused(self, layer) -> dict[int, str]:
         """T -> the reason its capture failed, for one layer."""
         st = self._layers.get(layer)
-        return dict(st.refused) if st is not None else {}
+        return {T: why for (T, _), why in st.refused.items()} if st is not None else {}
 
     def clear(self) -> None:
         """Drop every captured graph (frees their buffers and the pool)."""
@@ -115,11 +121,11 @@ class LayerGraphs:
         st = self._layers.get(layer)
         if st is None:
             st = self._layers[layer] = _LayerState()
-        T = int(x_TH.shape[0])
-        entry = st.entries.get(T)
+        key = _key(x_TH)
+        entry = st.entries.get(key)
         if entry is None:
-            if T in st.refused or st.seen[T] < self.capture_after:
-                st.seen[T] += 1
+            if key in st.refused or st.seen[key] < self.capture_after:
+                st.seen[key] += 1
                 self.eager += 1
                 return step(x_TH)
             entry = self._capture(layer, st, x_TH, step)
@@ -127,7 +133,7 @@ class LayerGraphs:
                 self.eager += 1
                 return step(x_TH)
         else:
-            st.entries.move_to_end(T)
+            st.entries.move_to_end(key)
             self._publish(layer, entry.routing)
         entry.x_TH.copy_(x_TH)
         entry.graph.replay()
@@ -137,10 +143,10 @@ class LayerGraphs:
         return entry.out_TH.clone()
 
     def _capture(self, layer, st: _LayerState, x_TH: torch.Tensor, step) -> _Entry | None:
-        T = int(x_TH.shape[0])
+        key = _key(x_TH)
         need = 2 * x_TH.numel() * x_TH.element_size()  # input copy + output (the routing's are small)
         if self.bytes + need > self.max_bytes:
-            st.refused[T] = f"memory budget: {self.bytes} + {need} bytes > max_bytes={self.max_bytes}"
+            st.refused[key] = f"memory budget: {self.bytes} + {need} bytes > max_bytes={self.max_bytes}"
             return None
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
@@ -157,13 +163,13 @@ class LayerGraphs:
             with torch.cuda.graph(graph, pool=self._pool):
                 out = step(x_buf)
         except Exception as exc:  # noqa: BLE001 - any capture failure: this T runs eagerly from now on
-            st.refused[int(x_TH.shape[0])] = f"{type(exc).__name__}: {exc}"
+            st.refused[key] = f"{type(exc).__name__}: {exc}"
             torch.cuda.synchronize()
             return None
         # The capture ran the layer's Python once: its routing status went to the monitor (or was
         # left to the caller under capture), and last_routing is the graph's routing buffers.
         entry = _Entry(graph=graph, x_TH=x_buf, out_TH=out, routing=layer.last_routing)
-        st.entries[T] = entry
+        st.entries[key] = entry
         self.bytes += need
         if len(st.entries) > self.max_shapes:
             _, old = st.entries.popitem(last=False)

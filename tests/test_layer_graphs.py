@@ -138,6 +138,22 @@ def test_gpu_memory_budget_refuses_a_capture():
 
 @pytest.mark.gpu
 @needs_gpu
+def test_gpu_inference_mode_and_no_grad_keep_separate_graphs():
+    layer = _layer("cuda", torch.bfloat16, impl="triton")
+    x = torch.randn(9, 256, device="cuda", dtype=torch.bfloat16)
+    with torch.no_grad():
+        want = layer(x).clone()
+    layer.graphs = graphs = LayerGraphs()
+    for mode in (torch.inference_mode, torch.no_grad, torch.inference_mode):
+        with mode():
+            for _ in range(3):
+                assert_bitwise_equal(layer(x), want, what=f"step under {mode.__name__}")
+    # buffers captured under inference_mode are inference tensors: no_grad steps get their own graph
+    assert graphs.captures == 2 and graphs.refused(layer) == {}
+
+
+@pytest.mark.gpu
+@needs_gpu
 def test_gpu_nan_still_raises_from_a_replay():
     layer = _layer("cuda", torch.bfloat16, impl="triton")
     layer.graphs = LayerGraphs()
