@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# One GPU call that validates a branch and measures what it changes (a session's first call).
+#
+#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e (default: all)
+#
+# Each step has its own time limit and writes OUTDIR/<step>.log, so a cut step still leaves the
+# others' logs: the GPU suite (tests/gpu_suite.sh, SUITE_LIMIT_S, default 420), the alignment sweep,
+# the launch / layer host A/B, and end-to-end prefill and decode with and without layer graphs
+# (qwen3 and mixtral, 8 layers). All four take ~14 min: more than one call's 10 (suite align, then
+# host e2e).
+set -u
+OUT=${1:?usage: gpu_validate.sh OUTDIR [STEP ...]}
+shift
+STEPS=${*:-suite align host e2e}
+SUITE=${SUITE_LIMIT_S:-420}
+mkdir -p "$OUT"
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+step() {  # step NAME LIMIT_S CMD...   (skipped unless NAME is in STEPS)
+  local name=$1 limit=$2
+  shift 2
+  case " $STEPS " in *" $name "*) ;; *) return 0 ;; esac
+  local t0=$SECONDS
+  timeout "$limit" "$@" >"$OUT/$name.log" 2>&1
+  echo "== $name: rc $? in $((SECONDS - t0)) s (limit $limit s)"
+}
+step suite "$((SUITE + 20))" bash tests/gpu_suite.sh "$OUT/suite" "$SUITE"
+[ -f "$OUT/suite/gpu_suite.log" ] && tail -4 "$OUT/suite/gpu_suite.log"
+step align 90 python3 benchmarks/diag_align.py --reps 20 --json "$OUT/align.json"
+[ -f "$OUT/align.log" ] && grep -v MISMATCH "$OUT/align.log" | tail -14
+step host 90 python3 benchmarks/diag_host_and_graphs.py --sections launch layer --no-profile
+[ -f "$OUT/host.log" ] && grep -E '^(T=|--|jit|Fast|direct)' "$OUT/host.log"
+step e2e 200 python3 benchmarks/bench_e2e.py --shapes qwen3-30b-a3b,mixtral-8x7b --points prefill,decode \
+  --prefill-T 512,2048 --decode-batches 1,16 --new-tokens 16 --variants hf,auto,auto+graphs,no_moe \
+  --repeats 5 --no-accuracy --out "$OUT/e2e.json" --md "$OUT/e2e.md"
+[ -f "$OUT/e2e.log" ] && tail -14 "$OUT/e2e.log"
+exit 0
