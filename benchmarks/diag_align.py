@@ -66,6 +66,10 @@ def main(argv=None) -> int:
         times = {}
         all_match = True
         for name, fused_max, chunk, sub, max_chunks in _variants():
+            if name.startswith("one") and n > 4096:
+                # one program over 16k+ pairs took 1-5 ms (2026-12-03), and its histogram is as wide
+                # as the pairs since the launcher's change: not a candidate, not compiled
+                continue
             A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS = fused_max, chunk, sub, max_chunks
             sorted_P = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device="cuda")
             be_B = torch.empty(max_blocks, dtype=torch.int32, device="cuda")
