@@ -475,13 +475,13 @@ def _plan_select(
     S = spec.num_slots
     if S > _MAX_SLOTS:
         raise ValueError(f"spec.num_slots={S}: the GPU selection holds a row in registers, at most {_MAX_SLOTS}")
+    # _select_meta's arguments (the table width matters only to hash lookups)
     meta_key = (spec, K, apply_groups, mask_zero, hash_lookup, table_width if hash_lookup else 0, weights,
                 keys_layer is not None, router_bias is not None, logits_out is not None, bias is not None,
                 expert_scale is not None)
     meta = _SELECT_META.get(meta_key)
     if meta is None:
-        meta = _SELECT_META[meta_key] = _select_meta(spec, K, apply_groups, mask_zero, hash_lookup, table_width,
-                                                     weights, *meta_key[7:])
+        meta = _SELECT_META[meta_key] = _select_meta(*meta_key)
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     weights_TK = torch.empty(T, K, dtype=torch.float32, device=dev) if weights else None
     keys_TK2 = torch.empty(T, K, 2, dtype=torch.int32, device=dev) if keys_layer is not None else None
