@@ -18,11 +18,13 @@ an H200): the chosen L and the bytes are printed and stored in the JSON meta.
 
 Variants (--variants, default hf,auto,triton_bi), all on the *same model instance*: "hf" is the model
 as built (its default experts implementation, recorded as `hf_experts_implementation`); "no_moe"
-(prefill points only) puts a module that returns its input in place of every MoE block, so its row
+(prefill and decode points only) puts a module that returns its input in place of every MoE block, so its row
 is the rest of the model's wall time, a floor no MoE implementation beats in eager mode; any other
 name X is `moeflow.patch_model(model, experts=X)` before the point and `moeflow.unpatch_model(model)`
-after it (the weights are shared, never copied); "X+graphs" also calls `moeflow.enable_layer_graphs`
-(every MoE step replayed from a CUDA graph cached per token count; the timed repeats replay).
+after it (the weights are shared, never copied). patch_model replays every MoE step from a CUDA graph
+cached per token count (`layer_graphs=True`, its default: the timed repeats replay); "X+eager" patches
+with `layer_graphs=False` (every step eager); "X+graphs" is X, named explicitly (results before the
+default changed on 2026-12-03 used it).
 
 Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok / error / n/a):
     prefill_tok_s, prefill_ms     one forward of batch 1, seq T, use_cache=False, logits_to_keep=1
@@ -218,11 +220,12 @@ def build_model(cfg, device: torch.device, dtype: torch.dtype, seed: int):
 
 
 # --------------------------------------------------------------------------- variants
-# "no_moe" (prefill points only): every MoE block replaced by a module that hands its input back, so
-# the row is the wall time of everything else in the model (attention, norms, embedding, LM head,
-# transformers' own host work): a floor no MoE implementation can beat in eager mode.
+# "no_moe" (prefill and decode points): every MoE block replaced by a module that hands its input
+# back, so the row is the wall time of everything else in the model (attention, norms, embedding, LM
+# head, transformers' own host work, generate's loop): a floor no MoE implementation can beat in eager
+# mode. (Its decoded tokens are meaningless and are not compared.)
 NO_MOE = "no_moe"
-NO_MOE_KINDS = ("prefill",)
+NO_MOE_KINDS = ("prefill", "decode")
 
 
 class _NoMoE(torch.nn.Module):
@@ -255,9 +258,9 @@ def _remove_no_moe(model) -> None:
             setattr(model.get_submodule(parent) if parent else model, attr, m.block[0])
 
 
-# A variant name ending in GRAPHS is patch_model(experts=<name before it>) plus
-# moeflow.enable_layer_graphs(model): each MoE step replayed from a CUDA graph cached per T.
-GRAPHS = "+graphs"
+# Variant suffixes: EAGER patches with layer_graphs=False (every MoE step eager); GRAPHS names
+# patch_model's default (each MoE step replayed from a CUDA graph cached per T) explicitly.
+GRAPHS, EAGER = "+graphs", "+eager"
 
 
 def apply_variant(model, variant: str) -> None:
@@ -266,10 +269,11 @@ def apply_variant(model, variant: str) -> None:
     elif variant != "hf":
         import moeflow
 
-        graphs = variant.endswith(GRAPHS)
-        moeflow.patch_model(model, experts=variant[: -len(GRAPHS)] if graphs else variant)
-        if graphs:
-            moeflow.enable_layer_graphs(model)
+        experts, graphs = variant, True
+        for suffix in (GRAPHS, EAGER):
+            if variant.endswith(suffix):
+                experts, graphs = variant[: -len(suffix)], suffix == GRAPHS
+        moeflow.patch_model(model, experts=experts, layer_graphs=graphs)
 
 
 def remove_variant(model) -> None:
@@ -310,12 +314,16 @@ def _blocks(model):
 
 @contextmanager
 def instrument(model):
-    """record_function ranges around router / experts / shared / block / LM head for one profile."""
+    """record_function ranges around router / experts / shared / block / LM head for one profile.
+
+    A patched model's layer graphs are off inside (a replay runs no Python, so no range would
+    open): the split is of eager steps, which launch the same kernels a replay runs.
+    """
     from torch.autograd.profiler import record_function
 
     from moeflow.hf import MoEBlock
 
-    handles, undo, stack = [], [], []
+    handles, undo, stack, graphs = [], [], [], []
 
     def hook(mod, name):
         def pre(_m, _args):
@@ -346,6 +354,8 @@ def instrument(model):
         if isinstance(block, MoEBlock):
             layer = block.moe_layer
             if not any(o is layer for o, _ in undo):
+                graphs.append((layer, layer.graphs))
+                layer.graphs = None
                 wrap(layer, "route", R_ROUTER)
                 wrap(layer, "experts_forward", R_EXPERTS)
         else:
@@ -363,6 +373,8 @@ def instrument(model):
             h.remove()
         for obj, attr in undo:
             obj.__dict__.pop(attr, None)
+        for layer, g in graphs:
+            layer.graphs = g
         while stack:
             stack.pop().__exit__(None, None, None)
 
@@ -626,7 +638,7 @@ class Shape:
             raise RuntimeError(f"generate produced {new.shape[1]} new tokens, expected {N}")
         self.tokens[(variant, B)] = new
         ref = self.tokens.get(("hf", B))
-        if variant != "hf" and ref is not None:
+        if variant not in ("hf", NO_MOE) and ref is not None:
             self.run.add(**self.base(variant, "decode_tokens_equal_hf", batch=B,
                                      value=float((ref == new).float().mean()), unit="fraction"))
         tN = self.run.timer(lambda: gen(N), warmup=0)
@@ -718,6 +730,7 @@ class Shape:
         N = self.run.args.new_tokens
         gen, _ = self._generator(B)
         gen(N)
+        gen(N)  # the second sighting of each token count is captured (layer graphs): not counted
         self.run.sync()
         counts = {n: count_syncs(profile_events(lambda n=n: gen(n), self.run.device, "e2e::generate"),
                                  "e2e::generate") for n in (N, 1)}
@@ -1032,9 +1045,9 @@ def parse_args(argv=None):
     ap.add_argument("--decode-batches", default=None, help="comma list (1,16,64)")
     ap.add_argument("--prefill-T", default=None, help="comma list (512,2048,8192; quick 2048,8192)")
     ap.add_argument("--variants", default="hf,auto,triton_bi",
-                    help="hf = unpatched; no_moe = every MoE block returns its input (prefill only: the "
-                         "floor of the rest of the model); any other name is patch_model(model, experts=name), "
-                         "with a '+graphs' suffix also enable_layer_graphs")
+                    help="hf = unpatched; no_moe = every MoE block returns its input (prefill and decode: the "
+                         "floor of the rest of the model); any other name is patch_model(model, experts=name) "
+                         "(layer graphs on, its default); a '+eager' suffix patches with layer_graphs=False")
     ap.add_argument("--new-tokens", type=int, default=None, help="tokens per generate (32; quick 16)")
     ap.add_argument("--prompt-len", type=int, default=None, help="prompt tokens for generate (32)")
     ap.add_argument("--accuracy-T", type=int, default=None, help="tokens of the accuracy forward (256)")

@@ -6,8 +6,8 @@
 # Each step has its own time limit and writes OUTDIR/<step>.log, so a cut step still leaves the
 # others' logs: the GPU suite (tests/gpu_suite.sh, SUITE_LIMIT_S, default 420), the alignment sweep,
 # the launch / layer host A/B, and end-to-end prefill and decode with and without layer graphs
-# (qwen3 and mixtral, 8 layers). All four take ~14 min: more than one call's 10 (suite align, then
-# host e2e).
+# (E2E_SHAPES, default qwen3 and mixtral, 8 layers; E2E_T prefill lengths; E2E_LIMIT_S). All four
+# take ~14 min: more than one call's 10 (suite align, then host e2e).
 set -u
 OUT=${1:?usage: gpu_validate.sh OUTDIR [STEP ...]}
 shift
@@ -30,8 +30,8 @@ step align 90 python3 benchmarks/diag_align.py --reps 20 --json "$OUT/align.json
 [ -f "$OUT/align.log" ] && grep -v MISMATCH "$OUT/align.log" | tail -14
 step host 90 python3 benchmarks/diag_host_and_graphs.py --sections launch layer --no-profile
 [ -f "$OUT/host.log" ] && grep -E '^(T=|--|jit|Fast|direct)' "$OUT/host.log"
-step e2e 200 python3 benchmarks/bench_e2e.py --shapes qwen3-30b-a3b,mixtral-8x7b --points prefill,decode \
-  --prefill-T 512,2048 --decode-batches 1,16 --new-tokens 16 --variants hf,auto,auto+graphs,no_moe \
-  --repeats 5 --no-accuracy --out "$OUT/e2e.json" --md "$OUT/e2e.md"
+step e2e "${E2E_LIMIT_S:-240}" python3 benchmarks/bench_e2e.py --shapes "${E2E_SHAPES:-qwen3-30b-a3b,mixtral-8x7b}" \
+  --points prefill,decode --prefill-T "${E2E_T:-512,2048,8192}" --decode-batches 1,16 --new-tokens 16 \
+  --variants hf,auto,auto+eager,no_moe --repeats 5 --no-accuracy --out "$OUT/e2e.json" --md "$OUT/e2e.md"
 [ -f "$OUT/e2e.log" ] && tail -14 "$OUT/e2e.log"
 exit 0

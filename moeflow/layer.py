@@ -267,6 +267,9 @@ class MoELayer(TensorRefs):
         else:
             impl0 = experts_impl
         self.impl_name: str = str(getattr(impl0, "name", type(impl0).__name__))
+        # The implementation object of the latest forward (impl_name is its name); LayerGraphs
+        # asks it whether a step may be captured (`graph_capturable`).
+        self.last_impl = impl0
         # A batch-invariant experts impl runs the SwiGLU shared expert too (else cuBLAS would
         # make the block's rows depend on the batch): moeflow.experts.shared.
         self.shared_runner: SharedExpertRunner | None = None
@@ -402,6 +405,7 @@ class MoELayer(TensorRefs):
         # Plain attributes set straight into __dict__: nn.Module.__setattr__ (which looks for a
         # Parameter / Module / buffer of that name first) cost ~5 us of host time per step.
         self.__dict__["impl_name"] = str(getattr(impl, "name", type(impl).__name__))
+        self.__dict__["last_impl"] = impl
         return out_TH
 
     def _keep_handle(self, handle) -> None:

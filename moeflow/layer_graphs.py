@@ -24,7 +24,9 @@ What a replay must redo by hand, because no Python runs inside it:
 A step runs eagerly instead when any of these holds: not on CUDA, autograd recording, another
 capture in progress (a StaticDecoder capturing the whole model), hash routing input ids or a
 separate router input (gemma4), an expert-parallel dispatcher (collectives), an expert source
-other than resident weights (offload refills between steps), or the capture of this T failed
+other than resident weights (offload refills between steps), an experts implementation not
+marked `graph_capturable` (the reference and grouped ones sync on the host; the implementation
+of the layer's latest step is asked), torch.compile tracing, or the capture of this T failed
 once (`refused` keeps the reason; e.g. an experts implementation that synchronises).
 
 Memory: each cached (layer, T) keeps its input copy, output and routing tensors; intermediates
@@ -111,7 +113,8 @@ class LayerGraphs:
 
         return (x_TH.is_cuda and input_ids is None and router_input is None and not torch.is_grad_enabled()
                 and layer.dispatcher is LOCAL and isinstance(layer.source, ResidentExperts)
-                and not torch.cuda.is_current_stream_capturing())
+                and getattr(layer.last_impl, "graph_capturable", False)
+                and not torch.cuda.is_current_stream_capturing() and not torch.compiler.is_compiling())
 
     def run(self, layer, x_TH: torch.Tensor, step) -> torch.Tensor:
         """out_TH [T, H] of `step(x_TH)` (the layer's eager step), replayed from a graph once T is cached.

@@ -61,9 +61,16 @@ def test_patched_forward_makes_no_sync_per_layer(family, hf_quiet):
         base, base_names = _sync_calls(lambda: model(ids))
         moeflow.patch_model(model, experts="triton")
         model(ids)  # warm-up: tile configs, kernel compiles
+        model(ids)  # the second sighting of T is captured (layer graphs; torch.cuda.graph syncs once)
         got, names = _sync_calls(lambda: model(ids))
     # moeflow adds none: whatever syncs remain are HF's own (its unpatched count is the bound)
     assert got <= base, f"patched forward: {got} syncs {names} vs unpatched {base} {base_names}"
+    # and the forward did replay (else this would only restate the eager test below)
+    assert moeflow.moe_layers(model)[0].graphs.replays > 0
+    moeflow.hf.disable_layer_graphs(model)
+    with torch.no_grad():
+        got, names = _sync_calls(lambda: model(ids))
+    assert got <= base, f"patched eager forward: {got} syncs {names} vs unpatched {base} {base_names}"
 
 
 def test_moelayer_step_is_sync_free_when_deferred():

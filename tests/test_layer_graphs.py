@@ -78,6 +78,34 @@ def test_model_helpers(hf_quiet):
     assert all(layer.graphs is None for layer in layers)
 
 
+def test_patch_model_layer_graphs_option(hf_quiet):
+    from hf_configs import tiny_model
+
+    import moeflow
+
+    model = tiny_model("qwen3_moe")
+    moeflow.patch_model(model, experts="reference")  # on by default
+    layers = moeflow.moe_layers(model)
+    assert layers and all(isinstance(layer.graphs, LayerGraphs) for layer in layers)
+    assert len({id(layer.graphs) for layer in layers}) == 1  # one pool per model
+    # reference experts sync on the host: never captured, the step stays eager (and equal)
+    assert not LayerGraphs.eligible(layers[0], torch.zeros(2, layers[0].config.hidden_size), None, None)
+    moeflow.unpatch_model(model)
+    moeflow.patch_model(model, experts="reference", layer_graphs={"max_shapes": 2})
+    assert moeflow.moe_layers(model)[0].graphs.max_shapes == 2
+    moeflow.unpatch_model(model)
+    moeflow.patch_model(model, experts="reference", layer_graphs=False)
+    assert all(layer.graphs is None for layer in moeflow.moe_layers(model))
+    moeflow.unpatch_model(model)
+    with pytest.raises(TypeError, match="layer_graphs"):
+        moeflow.patch_model(model, layer_graphs="yes")
+    with pytest.raises(ValueError, match="max_shapes"):
+        moeflow.patch_model(model, layer_graphs={"max_shapes": 0})
+    with pytest.raises(TypeError, match="unexpected keyword"):
+        moeflow.patch_model(model, layer_graphs={"max_shape": 2})
+    assert not moeflow.moe_layers(model)  # refused before the model was touched
+
+
 # ----------------------------------------------------------------------------- GPU
 
 
@@ -176,7 +204,7 @@ def test_gpu_patched_model_with_layer_graphs_equals_without(family, hf_quiet):
     import moeflow
 
     model = tiny_model(family).to("cuda", torch.bfloat16)
-    moeflow.patch_model(model, experts="triton")
+    moeflow.patch_model(model, experts="triton", layer_graphs=False)
     gen = torch.Generator(device="cuda").manual_seed(4)
     prompts = [torch.randint(3, 97, (2, S), device="cuda", generator=gen) for S in (16, 16, 16, 33, 33, 33)]
     with torch.no_grad():

@@ -13,6 +13,9 @@ An implementation is an object with:
         they come from (what makes expert parallelism bit-identical).
 and optionally
     device_types: tuple[str, ...]   device types it runs on (absent: any)
+    graph_capturable: bool          its forward makes no host sync and allocates only through
+                                    torch, so a CUDA graph may capture it (absent: False;
+                                    moeflow.layer_graphs replays only such steps)
     forward_tokens(x_TH, ids_TK, weights_TK, w, config) -> out_TH
         a fused dispatch + experts + combine (no zero experts, no shared expert);
         it must honour config.router.weight_on_input.

@@ -101,6 +101,7 @@ class TritonExperts:
     """
 
     name = "triton"
+    graph_capturable = True  # no host sync; the GPU tests replay it from CUDA graphs
     device_types = ("cuda",)
 
     def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,

@@ -253,6 +253,7 @@ def patch_model(
     ep_mode: str = "all_to_all",
     ep_options: dict[str, Any] | None = None,
     offload: Any = None,
+    layer_graphs: bool | dict[str, Any] = True,
 ) -> PatchReport:
     """Replace every MoE block of a transformers model by moeflow, sharing its weights.
 
@@ -268,6 +269,13 @@ def patch_model(
             timeout_s= (a hung rank becomes an error naming the collective), static_tokens=.
         offload: an OffloadConfig: serve the experts from host memory through a device
             slot cache (moeflow.offload.attach.attach_offload over all blocks, in model order).
+        layer_graphs: replay each MoE block's step from a CUDA graph per token count once that
+            count has been seen (moeflow.hf.enable_layer_graphs; a dict passes its max_shapes /
+            capture_after / max_bytes). Why on by default: a patched step is host-bound on the
+            small-expert shapes (qwen3 prefill at T = 512 went 0.98x -> 1.57x HF with it,
+            benchmarks/RESULTS.md); outputs equal the eager step bit for bit. Steps that cannot
+            replay run eagerly on their own (CPU, autograd, offload, expert parallelism, hash
+            routing): see moeflow.layer_graphs. False: every step eager.
 
     Returns:
         PatchReport listing each replaced block (module path, family, implementation).
@@ -293,6 +301,14 @@ def patch_model(
                             f"got {type(ep_group).__name__}")
     if offload is not None and not isinstance(offload, OffloadConfig):
         raise TypeError(f"offload: expected an OffloadConfig, got {type(offload).__name__}")
+    if not isinstance(layer_graphs, (bool, dict)):
+        raise TypeError(f"layer_graphs: expected a bool or a dict of enable_layer_graphs options, "
+                        f"got {type(layer_graphs).__name__}")
+    graph_options = layer_graphs if isinstance(layer_graphs, dict) else {}
+    if graph_options:
+        from ..layer_graphs import LayerGraphs
+
+        LayerGraphs(**graph_options)  # a bad option raises here, before the model is touched
     config = getattr(model, "config", None)
     if config is None:
         raise ValueError(f"patch_model: {type(model).__name__} has no .config (expected a transformers model)")
@@ -346,6 +362,10 @@ def patch_model(
             runner=type(layer).__name__, dispatcher=layer.dispatcher.name,
             source="offload" if offload is not None else "resident",
         ))
+    if layer_graphs is not False:
+        from .graphs import enable_layer_graphs
+
+        enable_layer_graphs(model, **graph_options)
     return PatchReport(
         model_class=type(model).__name__,
         experts=experts,
