@@ -37,6 +37,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS  # noqa: E402
 from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
 from moeflow.routing.spec import RouterSpec  # noqa: E402
+from moeflow.testing import patch_interpreter_index  # noqa: E402,F401 - re-exported for the other benchmarks
 from moeflow.tuning import GemmTile, MoETileConfig, ShapeKey, write_table  # noqa: E402
 
 # --------------------------------------------------------------------------- shapes
@@ -125,23 +126,6 @@ def routing(T: int, E: int, K: int, dist: str, device, seed: int = 0):
     ids = keys.topk(K, dim=1).indices.to(torch.int32)
     wts = torch.softmax(torch.randn(T, K, generator=g), dim=1)
     return ids.to(device), wts.to(device)
-
-
-def patch_interpreter_index() -> None:
-    """Dry runs only: numpy >= 2.4 refuses int() of a 1-element 1-D array, which Triton 3.6's
-    interpreter does for loop bounds taken from kernel arguments; take the single element."""
-    import triton.runtime.interpreter as interp
-
-    orig = interp._patch_lang_tensor
-    if getattr(orig, "_moeflow_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._moeflow_patched = True
-    interp._patch_lang_tensor = patched
 
 
 # --------------------------------------------------------------------------- candidates

@@ -73,6 +73,24 @@ def poisoned_like(t: torch.Tensor, pad_rows: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
+def patch_interpreter_index() -> None:
+    """Triton's interpreter only (tests, dry runs): numpy >= 2.4 refuses int() of a 1-element 1-D
+    array, which Triton 3.6's interpreter does for loop bounds taken from kernel arguments; take
+    the single element instead. Idempotent."""
+    import triton.runtime.interpreter as interp
+
+    orig = interp._patch_lang_tensor
+    if getattr(orig, "_moeflow_patched", False):
+        return
+
+    def patched(tensor, scope):
+        orig(tensor, scope)
+        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+
+    patched._moeflow_patched = True
+    interp._patch_lang_tensor = patched
+
+
 def run_interpreter_check(script: str, check: str, *, timeout: float = 900) -> None:
     """Run `python script check` under the Triton interpreter in a subprocess; assert it printed "PASS check".
 

@@ -358,20 +358,9 @@ def test_interpreter(check):
 
 
 def _patch_interpreter_index() -> None:
-    """numpy >= 2.4 refuses int() of a 1-element 1-D array, which Triton 3.6's interpreter does for
-    loop bounds taken from kernel arguments; take the single element instead. Test-only."""
-    import triton.runtime.interpreter as interp
+    from moeflow.testing import patch_interpreter_index
 
-    orig = interp._patch_lang_tensor
-    if getattr(orig, "_moeflow_patched", False):
-        return
-
-    def patched(tensor, scope):
-        orig(tensor, scope)
-        scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
-
-    patched._moeflow_patched = True
-    interp._patch_lang_tensor = patched
+    patch_interpreter_index()
 
 
 def expected_alignment(ids, E, bm):

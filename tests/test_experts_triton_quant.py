@@ -308,14 +308,9 @@ def _patch_interpreter() -> None:
     import triton.language as tl
     import triton.runtime.interpreter as interp
 
-    orig = interp._patch_lang_tensor
-    if not getattr(orig, "_moeflow_patched", False):
-        def patched(tensor, scope):
-            orig(tensor, scope)
-            scope.set_attr(tensor, "__index__", lambda self: int(self.handle.data.reshape(-1)[0]))
+    from moeflow.testing import patch_interpreter_index
 
-        patched._moeflow_patched = True
-        interp._patch_lang_tensor = patched
+    patch_interpreter_index()
     builder = interp.InterpreterBuilder
     orig_cast = builder.cast_impl
     if not getattr(orig_cast, "_moeflow_patched", False):

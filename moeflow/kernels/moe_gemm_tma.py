@@ -1,0 +1,123 @@
+"""Experimental Triton kernels: the aligned gate_up / down GEMMs with TMA weight tiles (Hopper).
+
+Not wired into TritonExperts: `benchmarks/diag_tma_gemm.py` measures them against the kernels of
+moe_gemm.py (same alignment, same buffers, same activation) to decide whether they go behind the
+tuner's configuration seam (issue 16 item 1: prefill at >= 0.75 of the bf16 compute roof).
+
+Why TMA for the weights only: a weight tile is a dense box of one expert's rows (linear layout
+W [E, N, K], K contiguous: viewed as [E*N, K]), which one TMA instruction copies into shared
+memory without the address registers and LSU issue slots of pointer loads; the activation rows
+of gate_up are gathered by token (Hopper's TMA has no gather), so they stay pointer loads. The
+down GEMM's activation rows are contiguous in act_PI, so both of its operands use TMA.
+
+Variants (constexprs): PERSISTENT (one program per SM looping over (block, column-tile) work,
+grouped as moe_gemm._tile_ids orders it) and WS (Triton's automatic warp specialisation of the
+main loop: a producer warp group issues the copies while consumers run the wgmma).
+
+Legend as in moe_gemm.py: P padded pair positions (max_blocks * BM), I intermediate, H hidden.
+Only the linear, non-interleaved layout without bias (mixtral, qwen3, deepseek families) and
+BN | I, BK | H (gate_up) / BK | I (down): the host checks before a launch.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .moe_gemm import _activate, _tile_ids
+
+
+@triton.jit
+def _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
+                  stride_xt, stride_ap, limit, alpha, ACT: tl.constexpr,
+                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                  WS_K: tl.constexpr):
+    num_n = tl.cdiv(I, BLOCK_N)
+    pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_p)
+        row_ok = pair < num_pairs
+        tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+        offs_k = tl.arange(0, BLOCK_K)
+        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+        row_g = e * (2 * I) + pid_n * BLOCK_N
+        row_u = row_g + I
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            wg = wd.load([row_g, k0])
+            wu = wd.load([row_u, k0])
+            g = tl.dot(a, wg.T, g)
+            u = tl.dot(a, wu.T, u)
+        out = _activate(g, u, limit, alpha, ACT)
+        offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
+        tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
+def moe_gate_up_tma_kernel(
+    x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, top_k, num_m, num_tiles,
+    stride_xt, stride_ap, limit, alpha,
+    ACT: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm.moe_gate_up_kernel.
+
+    wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK].
+    Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
+    """
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
+            _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
+                          stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False)
+    else:
+        _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, top_k,
+                      num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS)
+
+
+@triton.jit
+def _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+               WS_K: tl.constexpr):
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_p)
+        row_ok = pair < num_pairs
+        row_w = e * H + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, I, BLOCK_K, warp_specialize=WS_K):
+            a = ad.load([pid_m * BLOCK_M, k0])
+            w = wd.load([row_w, k0])
+            acc = tl.dot(a, w.T, acc)
+        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+
+
+@triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
+def moe_down_tma_kernel(
+    ad, wd, y_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, num_m, num_tiles, stride_yn,
+    PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm.moe_down_kernel with one split.
+
+    ad: TensorDescriptor over act_PI [P, I], block [BM, BK]; wd: over down viewed [E * H, I],
+    block [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
+    """
+    if PERSISTENT:
+        for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
+            _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False)
+    else:
+        _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, num_m,
+                   stride_yn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS)
