@@ -357,6 +357,17 @@ def test_interpreter(check):
     _run_interp(check)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
+def test_tma_kernels_match_the_aligned_kernels_in_the_interpreter():
+    """The experimental TMA / persistent GEMMs (moeflow/kernels/moe_gemm_tma.py) against the tuned
+    kernels on a tiny shape: benchmarks/diag_tma_gemm.py --dry-run exits 1 on a wrong variant."""
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "diag_tma_gemm.py"), "--dry-run"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert r.stdout.count(" tma ") == 2 and r.stdout.count(" pers ") == 2, r.stdout
+
+
 def _patch_interpreter_index() -> None:
     from moeflow.testing import patch_interpreter_index
 

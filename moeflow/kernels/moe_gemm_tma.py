@@ -28,17 +28,25 @@ from .moe_gemm import _activate, _tile_ids
 
 
 @triton.jit
+def _work_tile(tile, num_m, num_cols, block_expert_ptr, sorted_ptr, num_pairs,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n, expert e (< 0: an empty block), positions offs_p [BM], pairs [BM], row_ok [BM])
+    of work tile `tile` in moe_gemm._tile_ids's grouped order over num_cols columns."""
+    pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(num_cols, BLOCK_N), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)  # sorted_P has all P entries: a load past the used blocks is harmless
+    return pid_m, pid_n, e, offs_p, pair, pair < num_pairs
+
+
+@triton.jit
 def _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
                   stride_xt, stride_ap, limit, alpha, ACT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                   WS_K: tl.constexpr):
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, e, offs_p, pair, row_ok = _work_tile(tile, num_m, I, block_expert_ptr, sorted_ptr, num_pairs,
+                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if e >= 0:
-        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
         tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
         offs_k = tl.arange(0, BLOCK_K)
         a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
@@ -84,13 +92,9 @@ def moe_gate_up_tma_kernel(
 def _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
                WS_K: tl.constexpr):
-    num_n = tl.cdiv(H, BLOCK_N)
-    pid_m, pid_n = _tile_ids(tile, num_m, num_n, GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
+    pid_m, pid_n, e, offs_p, pair, row_ok = _work_tile(tile, num_m, H, block_expert_ptr, sorted_ptr, num_pairs,
+                                                       BLOCK_M, BLOCK_N, GROUP_M)
     if e >= 0:
-        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
         row_w = e * H + pid_n * BLOCK_N
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, I, BLOCK_K, warp_specialize=WS_K):
