@@ -352,7 +352,7 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["align", "families", "modes", "decode"])
+@pytest.mark.parametrize("check", ["align", "families", "modes", "decode", "tma"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -468,6 +468,49 @@ def check_families(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                 print(f"{name:13s} {str(dtype):14s} T={T:4d} tiles={'tiny' if tiles else 'auto'} rel-L2 {err:.2e}")
 
 
+def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
+    """TritonExperts(tma=True) on the linear families: TMA weight tiles really taken (both GEMMs at
+    split 1), against the reference, and against tma=False."""
+    import moeflow.experts.triton as TE
+
+    calls = {"gate_up": 0, "down": 0}
+    orig = TE._launch_gate_up_tma, TE._launch_down_tma
+
+    def gate_up(*a):
+        calls["gate_up"] += 1
+        orig[0](*a)
+
+    def down(*a):
+        calls["down"] += 1
+        orig[1](*a)
+
+    TE._launch_gate_up_tma, TE._launch_down_tma = gate_up, down
+    try:
+        for name, E, H, I, K, act, layout, il, bias, _woi in FAMILIES:
+            if layout != "linear" or il or bias:
+                continue
+            cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device)
+            for tiles in (_tiny_tiles(1), _tiny_tiles(2)):
+                on = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=True)
+                off = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=False)
+                for T in T_list:
+                    x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+                    before = dict(calls)
+                    out = on.forward_tokens(x, ids, wts, w, cfg)
+                    assert calls["gate_up"] == before["gate_up"] + 1, f"{name}: gate_up did not take TMA tiles"
+                    split = tiles.down.split_k
+                    assert calls["down"] == before["down"] + (split == 1), f"{name} split {split}: down TMA calls"
+                    ref, _ = reference_tokens(x, ids, wts, w, cfg)
+                    err = rel_l2(out, ref)
+                    assert err <= tol, f"{name} T={T} tma rel-L2 {err:.3e} > {tol}"
+                    base = off.forward_tokens(x, ids, wts, w, cfg)
+                    d = (out.float() - base.float()).abs().max().item()
+                    assert d <= tol * max(1.0, base.abs().max().item()), f"{name} T={T}: tma vs pointer max {d:.3e}"
+                    print(f"{name:13s} T={T:4d} split={split} tma rel-L2 {err:.2e}, vs pointer kernels {d:.1e}")
+    finally:
+        TE._launch_gate_up_tma, TE._launch_down_tma = orig
+
+
 def check_modes(device: str, dtype: torch.dtype) -> None:
     """Batch invariance (bitwise across T), determinism, NaN rows for out-of-range ids."""
     from moeflow.experts.triton import TritonExperts
@@ -556,6 +599,8 @@ def _interp_main(check: str) -> None:
     elif check == "decode":
         check_decode("cpu", torch.float32, (1, 6, 21), 1e-5)
         check_decode("cpu", torch.float16, (1, 4), 3e-3)
+    elif check == "tma":
+        check_tma("cpu", torch.float32, (1, 37), 1e-5)
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")
@@ -672,6 +717,40 @@ def test_gpu_decode_real_shapes(shape):
         _check_bf16(out, ref, f"{name} T={T} ({'decode' if impl.uses_decode_path(T, K, E) else 'aligned'} path)")
         assert_bitwise_equal(impl.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} deterministic")
     assert impl.uses_decode_path(1, K, E) and impl.uses_decode_path(64 // K, K, E)
+
+
+# Real H, I (linear, no bias); fewer experts where the weights would take tens of GB to build.
+TMA_SHAPES = [("mixtral", 2, 4096, 14336, 2), ("qwen3", 128, 2048, 768, 8), ("deepseek", 16, 7168, 2048, 8)]
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA tiles need Hopper or newer")
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=[s[0] for s in TMA_SHAPES])
+def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
+    """TMA weight tiles (the default on Hopper) give the pointer kernels' bits, in both modes, and are taken."""
+    import moeflow.experts.triton as TE
+    from moeflow.testing import assert_bitwise_equal
+
+    name, E, H, I, K = shape
+    cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
+    calls = []
+    orig = TE._launch_gate_up_tma
+    TE._launch_gate_up_tma = lambda *a: (calls.append(1), orig(*a))
+    try:
+        for bi in (False, True):
+            on, off = TE.TritonExperts(batch_invariant=bi), TE.TritonExperts(batch_invariant=bi, tma=False)
+            assert on.uses_tma(w) and not off.uses_tma(w)
+            for T in (1, 100, 2048, 4096):
+                x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
+                n = len(calls)
+                got = on.forward_tokens(x, ids, wts, w, cfg)
+                if T >= 2048:
+                    assert len(calls) == n + 1, f"{name} T={T} bi={bi}: gate_up did not take TMA tiles"
+                assert_bitwise_equal(got, off.forward_tokens(x, ids, wts, w, cfg),
+                                     what=f"{name} T={T} batch_invariant={bi}: TMA vs pointer tiles")
+    finally:
+        TE._launch_gate_up_tma = orig
 
 
 @gpu

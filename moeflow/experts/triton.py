@@ -21,7 +21,11 @@ Aligned path (everything else, and forward_pairs; 4 launches at small N, 6 at la
     combine  out_TH = sum_k w[t,k] * sum_s y[s, t*K+k]   one small pass, slot order, no atomics
 The kernels are in moeflow/kernels/moe_align.py and moe_gemm.py; the tile configuration
 comes from moeflow.tuning (JSON written by benchmarks/tune_experts.py, nearest T), or its
-heuristics.
+heuristics. On Hopper (compute capability >= 9) gate_up and down take their weight tiles by
+TMA (moeflow/kernels/moe_gemm_tma.py; down its activation tiles too) where the layout allows:
+linear, not interleaved, no bias, BN | I and BK | H (down: BN | H, BK | I, one split). Same
+tiles, same K order: bit for bit the pointer kernels' output (benchmarks/diag_tma_gemm.py,
+H200: 1.05-1.31x faster at prefill). `TritonExperts(tma=False)` or MOEFLOW_TMA=0 turns it off.
 
 Modes:
     TritonExperts()                       tiles chosen per T (fastest).
@@ -43,6 +47,7 @@ computed and turns its token's output row to NaN (loud, not a silent clamp).
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import torch
@@ -71,6 +76,14 @@ DECODE_PAIRS_PER_EXPERT = 1
 DECODE_BY_DEFAULT = False
 # Shared memory a decode gate_up program may plan for (H200: 227 KB a block); stages shrink to fit.
 _DECODE_SMEM_BYTES = 180 * 1024
+# (kernel, tiles) whose TMA variant did not compile (shared memory): those run the pointer kernel.
+_TMA_REFUSED: set[tuple] = set()
+
+
+@lru_cache(maxsize=8)
+def _tma_device(index: int) -> bool:
+    """Whether CUDA device `index` takes TMA weight tiles by default (Hopper or newer, MOEFLOW_TMA != 0)."""
+    return os.environ.get("MOEFLOW_TMA", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @lru_cache(maxsize=8)
@@ -98,6 +111,9 @@ class TritonExperts:
     decode_config:   force these decode tiles (tests); else tuned data / heuristics.
     allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1, the
                      Triton interpreter; the CPU test suite uses it).
+    tma:             TMA weight tiles in the aligned GEMMs (module docstring): None (default)
+                     on CUDA devices of compute capability >= 9 unless MOEFLOW_TMA=0; True
+                     wherever the layout allows (the interpreter tests); False never.
     """
 
     name = "triton"
@@ -106,7 +122,7 @@ class TritonExperts:
 
     def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
                  decode_max_pairs: int | None = None, decode_config: DecodeConfig | None = None,
-                 allow_cpu: bool = False) -> None:
+                 allow_cpu: bool = False, tma: bool | None = None) -> None:
         if not isinstance(batch_invariant, bool):
             raise TypeError(f"TritonExperts.batch_invariant={batch_invariant!r}: expected a bool")
         if tile_config is not None and not isinstance(tile_config, MoETileConfig):
@@ -118,6 +134,8 @@ class TritonExperts:
                              f"[0, {DECODE_MAX_PAIRS}]")
         if decode_config is not None and not isinstance(decode_config, DecodeConfig):
             raise TypeError(f"TritonExperts.decode_config: expected a DecodeConfig, got {type(decode_config).__name__}")
+        if tma is not None and not isinstance(tma, bool):
+            raise TypeError(f"TritonExperts.tma={tma!r}: expected None or a bool")
         if decode_max_pairs is None and tile_config is not None:
             decode_max_pairs = 0  # a forced aligned-path tiling means: time / test that path
         self.decode_max_pairs = decode_max_pairs
@@ -126,6 +144,7 @@ class TritonExperts:
         self.name = "triton_bi" if batch_invariant else "triton"
         self.tile_config = tile_config
         self.allow_cpu = allow_cpu
+        self.tma = tma
         if allow_cpu:
             self.device_types = ("cuda", "cpu")
         self._cfg_cache: dict[tuple, MoETileConfig] = {}
@@ -243,7 +262,7 @@ class TritonExperts:
             return _run_decode(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, dcfg, weight_on_input=on_input)
         cfg = self.tile_config_for(w, K, T)
         return _run(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, cfg,
-                    weight_on_input=on_input, combine_weights=not on_input)
+                    weight_on_input=on_input, combine_weights=not on_input, tma=self.uses_tma(w))
 
     def forward_pairs(self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights,
                       config: MoEConfig) -> torch.Tensor:
@@ -261,7 +280,15 @@ class TritonExperts:
         ids_N = expert_N.to(torch.int32).contiguous()
         # Tiles are tuned by tokens of a K-slot layer: N pairs are N / K such tokens.
         cfg = self.tile_config_for(w, config.top_k, max(1, N // config.top_k))
-        return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False)
+        return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False,
+                    tma=self.uses_tma(w))
+
+    def uses_tma(self, w: ExpertWeights) -> bool:
+        """Whether this call's device may take TMA weight tiles (each GEMM still checks its shape)."""
+        if self.tma is not None:
+            return self.tma
+        dev = w.device
+        return dev.type == "cuda" and _tma_device(dev.index if dev.index is not None else torch.cuda.current_device())
 
     # ------------------------------------------------------------------ checks
     def _check_common(self, w: ExpertWeights, config: MoEConfig) -> None:
@@ -316,6 +343,28 @@ class _Plan:
         self.y_SNH = torch.empty(S, self.N, self.H, dtype=w.dtype if S == 1 else torch.float32, device=dev)
         self.out_TH = torch.empty(T, self.H, dtype=x_MH.dtype, device=dev)
         self.precision = "ieee" if w.dtype == torch.float32 else "tf32"
+        self.tma = False  # set by _run: TMA weight tiles allowed on this device
+
+
+def _tma_weights_ok(t, W: torch.Tensor, n: int, k: int, bias) -> bool:
+    """A linear-layout weight [E, n, k] whose [BN, BK] tiles a TMA descriptor over [E*n, k] can serve."""
+    return (bias is None and n % t.block_n == 0 and k % t.block_k == 0 and W.is_contiguous()
+            and W.data_ptr() % 16 == 0 and (k * W.element_size()) % 16 == 0)
+
+
+def _launch_tma(kind: str, t, launch) -> bool:
+    """Run launch() (a TMA kernel launch); False when this tiling's TMA variant does not compile."""
+    key = (kind, t)
+    if key in _TMA_REFUSED:
+        return False
+    from triton.runtime.errors import OutOfResources
+
+    try:
+        launch()
+    except OutOfResources:  # raised while compiling, before anything is enqueued
+        _TMA_REFUSED.add(key)
+        return False
+    return True
 
 
 def _launch_align(plan: _Plan, ids_N: torch.Tensor) -> None:
@@ -330,6 +379,11 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
     from ..kernels.moe_gemm import moe_gate_up_kernel
 
     t = plan.cfg.gate_up
+    if (plan.tma and w.layout == "linear" and not w.interleaved
+            and _tma_weights_ok(t, w.gate_up, plan.I, plan.H, w.gate_up_bias)
+            and _launch_tma("gate_up", (plan.cfg.block_m, t), lambda: _launch_gate_up_tma(
+                plan, x_rows, top_k_div, w, config))):
+        return
     (gse, gsn, gsk), _ = _weight_strides(w)
     has_bias = w.gate_up_bias is not None
     gub = w.gate_up_bias if has_bias else w.gate_up  # dummy pointer when no bias
@@ -351,6 +405,10 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     from ..kernels.moe_gemm import moe_down_kernel
 
     t = plan.cfg.down
+    if (plan.tma and w.layout == "linear" and t.split_k == 1
+            and _tma_weights_ok(t, w.down, plan.H, plan.I, w.down_bias)
+            and _launch_tma("down", (plan.cfg.block_m, t), lambda: _launch_down_tma(plan, w))):
+        return
     _, (dse, dsn, dsk) = _weight_strides(w)
     has_bias = w.down_bias is not None
     db = w.down_bias if has_bias else w.down  # dummy pointer when no bias
@@ -365,6 +423,46 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
         HAS_BIAS=has_bias, EVEN_K=plan.I % t.block_k == 0, PRECISION=plan.precision,
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
+                        config: MoEConfig) -> None:
+    """_launch_gate_up with the weight tiles by TMA (the caller checked the layout and shape)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ..kernels.moe_gemm_tma import moe_gate_up_tma_kernel
+
+    t = plan.cfg.gate_up
+    E, H, I = w.gate_up.shape[0], plan.H, plan.I
+    wd = TensorDescriptor(w.gate_up, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[t.block_n, t.block_k])
+    tiles = plan.max_blocks * (I // t.block_n)
+    moe_gate_up_tma_kernel[(tiles,)](
+        x_rows, wd, plan.act_PI, plan.sorted_P, plan.block_expert_B,
+        plan.N, H, I, top_k_div, plan.max_blocks, tiles, x_rows.stride(0), plan.act_PI.stride(0),
+        float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
+        ACT=_ACT_CODES[config.activation], PERSISTENT=False, WS=False, NUM_PROGS=1,
+        BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
+        num_warps=t.num_warps, num_stages=t.num_stages,
+    )
+
+
+def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
+    """_launch_down with weight and activation tiles by TMA (one split; the caller checked the shape)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ..kernels.moe_gemm_tma import moe_down_tma_kernel
+
+    t = plan.cfg.down
+    E, H, I, BM = w.down.shape[0], plan.H, plan.I, plan.cfg.block_m
+    ad = TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
+    wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
+    tiles = plan.max_blocks * (H // t.block_n)
+    y = plan.y_SNH
+    moe_down_tma_kernel[(tiles,)](
+        ad, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
+        PERSISTENT=False, WS=False, NUM_PROGS=1, BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 
 
@@ -388,9 +486,10 @@ def _launch_combine(plan: _Plan, wts_N: torch.Tensor | None, ids_N: torch.Tensor
 
 
 def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoETileConfig, *,
-         weight_on_input: bool, combine_weights: bool) -> torch.Tensor:
+         weight_on_input: bool, combine_weights: bool, tma: bool = False) -> torch.Tensor:
     """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs)."""
     plan = _Plan(x_MH, T, K, w, cfg)
+    plan.tma = tma
     _launch_align(plan, ids_N)
     if weight_on_input:
         # llama4: the expert's input is (w * x) rounded to x's dtype, made once before the GEMMs.
