@@ -21,11 +21,12 @@ Aligned path (everything else, and forward_pairs; 4 launches at small N, 6 at la
     combine  out_TH = sum_k w[t,k] * sum_s y[s, t*K+k]   one small pass, slot order, no atomics
 The kernels are in moeflow/kernels/moe_align.py and moe_gemm.py; the tile configuration
 comes from moeflow.tuning (JSON written by benchmarks/tune_experts.py, nearest T), or its
-heuristics. On Hopper (compute capability >= 9) gate_up and down take their weight tiles by
-TMA (moeflow/kernels/moe_gemm_tma.py; down its activation tiles too) where the layout allows:
-linear, not interleaved, no bias, BN | I and BK | H (down: BN | H, BK | I, one split). Same
-tiles, same K order: bit for bit the pointer kernels' output (benchmarks/diag_tma_gemm.py,
-H200: 1.05-1.31x faster at prefill). `TritonExperts(tma=False)` or MOEFLOW_TMA=0 turns it off.
+heuristics. With `TritonExperts(tma=True)` (or MOEFLOW_TMA=1; TMA_BY_DEFAULT says why not yet
+by default) gate_up and down take their weight tiles by TMA on Hopper (moeflow/kernels/
+moe_gemm_tma.py; down its activation tiles too) where the layout allows: linear, not
+interleaved, no bias, BN | I and BK | H (down: BN | H, BK | I, one split). Same tiles, same K
+order: bit for bit the pointer kernels' output (benchmarks/diag_tma_gemm.py, H200: 1.01-1.31x
+faster at prefill).
 
 Modes:
     TritonExperts()                       tiles chosen per T (fastest).
@@ -78,12 +79,20 @@ DECODE_BY_DEFAULT = False
 _DECODE_SMEM_BYTES = 180 * 1024
 # (kernel, tiles) whose TMA variant did not compile (shared memory): those run the pointer kernel.
 _TMA_REFUSED: set[tuple] = set()
+# TMA weight tiles by default (tma=None) on Hopper or newer. Off until the whole GPU suite has run
+# with them (2026-12-03: the kernels' own tests and diag_tma_gemm.py passed, bit for bit the pointer
+# kernels; the suite's end-to-end files did not run before the device time ran out). MOEFLOW_TMA=1
+# turns them on, MOEFLOW_TMA=0 off, whatever this says.
+TMA_BY_DEFAULT = False
 
 
 @lru_cache(maxsize=8)
 def _tma_device(index: int) -> bool:
-    """Whether CUDA device `index` takes TMA weight tiles by default (Hopper or newer, MOEFLOW_TMA != 0)."""
-    return os.environ.get("MOEFLOW_TMA", "1") != "0" and torch.cuda.get_device_capability(index)[0] >= 9
+    """Whether CUDA device `index` takes TMA weight tiles when tma=None (Hopper or newer; MOEFLOW_TMA, else
+    TMA_BY_DEFAULT)."""
+    env = os.environ.get("MOEFLOW_TMA")
+    wanted = TMA_BY_DEFAULT if env is None else env != "0"
+    return wanted and torch.cuda.get_device_capability(index)[0] >= 9
 
 
 @lru_cache(maxsize=8)
@@ -112,8 +121,9 @@ class TritonExperts:
     allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1, the
                      Triton interpreter; the CPU test suite uses it).
     tma:             TMA weight tiles in the aligned GEMMs (module docstring): None (default)
-                     on CUDA devices of compute capability >= 9 unless MOEFLOW_TMA=0; True
-                     wherever the layout allows (the interpreter tests); False never.
+                     on CUDA devices of compute capability >= 9 when MOEFLOW_TMA=1 (or
+                     TMA_BY_DEFAULT); True wherever the layout allows (the interpreter runs
+                     them too); False never.
     """
 
     name = "triton"
