@@ -31,7 +31,12 @@ once (`refused` keeps the reason; e.g. an experts implementation that synchronis
 
 Memory: each cached (layer, T) keeps its input copy, output and routing tensors; intermediates
 live in the shared pool, which every graph of the LayerGraphs reuses (graphs replay one at a
-time on one stream, in capture order within a forward).
+time on one stream, in capture order within a forward). Why that order matters: a graph's kept
+buffers (its routing status, read when the model's forward ends) may sit where a graph captured
+earlier keeps intermediates, so that earlier graph must not replay between them and the end of
+the forward. In a model forward every layer sees the same T and is captured in layer order (an
+eviction evicts the same T in every layer), so a later layer's graph was never captured first;
+driving the layers of one LayerGraphs in another order than they were captured voids this.
 """
 
 from __future__ import annotations

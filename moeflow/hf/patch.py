@@ -272,8 +272,8 @@ def patch_model(
         layer_graphs: replay each MoE block's step from a CUDA graph per token count once that
             count has been seen (moeflow.hf.enable_layer_graphs; a dict passes its max_shapes /
             capture_after / max_bytes). Why on by default: a patched step is host-bound on the
-            small-expert shapes (qwen3 prefill at T = 512 went 0.98x -> 1.57x HF with it,
-            benchmarks/RESULTS.md); outputs equal the eager step bit for bit. Steps that cannot
+            small-expert shapes (qwen3 prefill at T = 512: 1.05x HF eager, 1.57x with it, in
+            one run; benchmarks/RESULTS.md); outputs equal the eager step bit for bit. Steps that cannot
             replay run eagerly on their own (CPU, autograd, offload, expert parallelism, hash
             routing): see moeflow.layer_graphs. False: every step eager.
 
