@@ -14,11 +14,16 @@ Triton's on-disk cache (`--workers`); the timing pass then only loads cubins.
 
     PYTHONPATH=. python benchmarks/tune_experts.py --shapes all --out-dir moeflow/tuning
     PYTHONPATH=. python benchmarks/tune_experts.py --shapes qwen3-30b-a3b --tokens 1,8,64 --dry-run
+    PYTHONPATH=. python benchmarks/tune_experts.py --shapes mixtral-8x7b --tma   # the TMA kernels (Hopper)
+
+With --tma the table is tuned for the TMA kernels (MOEFLOW_TMA=1 / TritonExperts(tma=True)); its
+tiles still run on the pointer kernels (which ignore `persistent`), though not tuned for them.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing as mp
@@ -156,9 +161,29 @@ SPLITS = {16: (1, 2, 4, 8), 32: (1, 2, 4), 64: (1, 2), 128: (1,)}
 BI_BMS = (64,)
 
 
+# With --tma: block heights whose tiles are also tried in the TMA kernels' persistent form (the
+# prefill heights; 2026-12-03 diag_tma_gemm: persistent won 1.05-1.10x on some down GEMMs, lost elsewhere).
+PERSISTENT_BMS: tuple[int, ...] = ()
+
+
 def with_split(t: GemmTile, s: int) -> GemmTile:
-    return GemmTile(block_n=t.block_n, block_k=t.block_k, num_warps=t.num_warps, num_stages=t.num_stages,
-                    group_m=t.group_m, split_k=s)
+    return dataclasses.replace(t, split_k=s)
+
+
+def stage_tiles(table: dict, bm: int, quick: bool) -> list[GemmTile]:
+    """Candidate tiles of one GEMM (GATE_UP or DOWN) at block height bm: the first two with --quick,
+    then their persistent forms where PERSISTENT_BMS asks for them."""
+    tiles = table[bm][:2] if quick else table[bm]
+    if bm in PERSISTENT_BMS:
+        tiles = tiles + [dataclasses.replace(t, persistent=True) for t in tiles]
+    return tiles
+
+
+def tma_wanted(dev: torch.device) -> bool:
+    """Whether this tuning times the TMA kernels (MOEFLOW_TMA=1, set by --tma; Hopper or the interpreter)."""
+    if os.environ.get("MOEFLOW_TMA") != "1":
+        return False
+    return dev.type == "cpu" or torch.cuda.get_device_capability(dev)[0] >= 9
 
 
 def bm_range(T: int, K: int, E: int, quick: bool) -> list[int]:
@@ -199,6 +224,7 @@ def _compile_worker(task) -> list[str]:
                 ids = (torch.arange(T * K, device=dev, dtype=torch.int32) % 2).view(T, K)
                 x = torch.randn(T, spec["H"], device=dev, dtype=dt)
                 plan = mt._Plan(x, T, K, w, tc)
+                plan.tma = tma_wanted(dev)
                 plan.E = E  # the alignment kernel's E_PAD and the combine's E as the real shape has them
                 mt._launch_align(plan, ids.reshape(-1))
                 mt._launch_gate_up(plan, x, K, w, cfg)
@@ -235,9 +261,7 @@ def all_candidates(quick: bool) -> list[MoETileConfig]:
     """Configs that cover every (BM, gate_up tile) and (BM, down tile) pair, zipped (one compile each)."""
     out = []
     for bm in (16, 32, 64, 128):
-        gus, dns = GATE_UP[bm], DOWN[bm]
-        if quick:
-            gus, dns = gus[:2], dns[:2]
+        gus, dns = stage_tiles(GATE_UP, bm, quick), stage_tiles(DOWN, bm, quick)
         for i in range(max(len(gus), len(dns))):
             out.append(MoETileConfig(block_m=bm, gate_up=gus[i % len(gus)],
                                      down=with_split(dns[i % len(dns)], max(SPLITS[bm]))))
@@ -300,10 +324,10 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
         ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
         # the BMs worth trying at this T, plus the batch-invariant candidates (timed at every T)
         for bm in sorted(set(bm_range(T, K, E, quick)) | set(BI_BMS)):
-            gus = GATE_UP[bm][:2] if quick else GATE_UP[bm]
-            dns = DOWN[bm][:2] if quick else DOWN[bm]
+            gus, dns = stage_tiles(GATE_UP, bm, quick), stage_tiles(DOWN, bm, quick)
             base = MoETileConfig(block_m=bm, gate_up=gus[0], down=dns[0])
             plan = mt._Plan(x, T, K, w, base)
+            plan.tma = tma_wanted(dev)
             align_t[(T, bm)] = time_launch(lambda p=plan, i_=ids_N: mt._launch_align(p, i_), reps)
             for i, g in enumerate(gus):
                 plan.cfg = MoETileConfig(block_m=bm, gate_up=g, down=dns[0])
@@ -331,12 +355,11 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
     tuned = sorted({T for (T, _) in align_t})
     best, parts = {}, {}
     combos = [(bm, gi, di, s) for bm in bms_all
-              for gi in range(len(GATE_UP[bm][:2] if quick else GATE_UP[bm]))
-              for di in range(len(DOWN[bm][:2] if quick else DOWN[bm])) for s in SPLITS[bm]]
+              for gi in range(len(stage_tiles(GATE_UP, bm, quick)))
+              for di in range(len(stage_tiles(DOWN, bm, quick))) for s in SPLITS[bm]]
 
     def to_cfg(bm, gi, di, s):
-        gus = GATE_UP[bm][:2] if quick else GATE_UP[bm]
-        dns = DOWN[bm][:2] if quick else DOWN[bm]
+        gus, dns = stage_tiles(GATE_UP, bm, quick), stage_tiles(DOWN, bm, quick)
         return MoETileConfig(block_m=bm, gate_up=gus[gi], down=with_split(dns[di], s))
 
     for T in tuned:
@@ -418,6 +441,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log-json", default=None, help="write the per-T choices and worst BI ratios here")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new T after this many seconds")
     ap.add_argument("--skip-precompile", action="store_true")
+    ap.add_argument("--tma", action="store_true",
+                    help="time the TMA kernels (MOEFLOW_TMA=1 for this process and its compile workers) and "
+                         "also try the persistent form of the BM 64 / 128 tiles")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, fp32, under TRITON_INTERPRET=1 (set it yourself): checks the script, times nothing real")
     args = ap.parse_args(argv)
@@ -429,6 +455,10 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("tune_experts: needs CUDA (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
+    if args.tma:
+        global PERSISTENT_BMS
+        os.environ["MOEFLOW_TMA"] = "1"  # before the compile workers start: they inherit it
+        PERSISTENT_BMS = (64, 128)
     t0 = time.time()
     deadline = t0 + args.budget_s
     names = parse_shapes(args.shapes)
@@ -474,9 +504,10 @@ def main(argv=None) -> int:
              "ratios": res["family"][2], "by_T": {str(T): c.to_dict() for T, c in res["family"][0].items()}},
         }
         for T, (c, t) in res["best"].items():
+            gp, dp = (",P" if c.gate_up.persistent else ""), (",P" if c.down.persistent else "")
             log(f"  T={T:5d} {t * 1e6:9.1f} us  BM={c.block_m} gu=({c.gate_up.block_n},{c.gate_up.block_k},"
-                f"{c.gate_up.num_warps},{c.gate_up.num_stages}) dn=({c.down.block_n},{c.down.block_k},"
-                f"{c.down.num_warps},{c.down.num_stages},S{c.down.split_k})")
+                f"{c.gate_up.num_warps},{c.gate_up.num_stages}{gp}) dn=({c.down.block_n},{c.down.block_k},"
+                f"{c.down.num_warps},{c.down.num_stages},S{c.down.split_k}{dp})")
         if res["bi"]:
             log(f"  batch-invariant: worst ratio {res['bi'][1]:.3f} cfg {res['bi'][0].to_dict()}")
         if args.log_json:

@@ -190,6 +190,14 @@ def test_tile_config_validation():
         MoETileConfig.from_dict({"block_m": 16, "gate_up": {}})
     c = MoETileConfig(block_m=32, gate_up=t, down=GemmTile(block_n=32, block_k=128, split_k=4))
     assert MoETileConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="persistent"):
+        GemmTile(block_n=64, block_k=64, persistent=1)
+    p = MoETileConfig(block_m=128, gate_up=GemmTile(block_n=64, block_k=64, persistent=True), down=t)
+    assert MoETileConfig.from_dict(json.loads(json.dumps(p.to_dict()))) == p
+    # tables written before the field existed read as not persistent
+    old = {"block_m": 16, "gate_up": {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8,
+                                      "split_k": 1}, "down": {"block_n": 64, "block_k": 64}}
+    assert not MoETileConfig.from_dict(old).gate_up.persistent
 
 
 def test_nearest_key_log_scale():
@@ -490,7 +498,8 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
             if layout != "linear" or il or bias:
                 continue
             cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device)
-            for tiles in (_tiny_tiles(1), _tiny_tiles(2)):
+            pers = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=True)
+            for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers)):
                 on = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=True)
                 off = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=False)
                 for T in T_list:

@@ -436,6 +436,17 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
+def _programs(plan: _Plan, t) -> int:
+    """Programs of a persistent TMA GEMM (one per SM: a constant per device, so no recompile per T);
+    0 when the tile is not persistent (one program per work tile)."""
+    if not t.persistent:
+        return 0
+    dev = plan.act_PI.device
+    if dev.type != "cuda":
+        return 4  # the interpreter: a few programs, each walking several tiles
+    return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+
+
 def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
                         config: MoEConfig) -> None:
     """_launch_gate_up with the weight tiles by TMA (the caller checked the layout and shape)."""
@@ -447,11 +458,12 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
     E, H, I = w.gate_up.shape[0], plan.H, plan.I
     wd = TensorDescriptor(w.gate_up, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (I // t.block_n)
-    moe_gate_up_tma_kernel[(tiles,)](
+    progs = _programs(plan, t)
+    moe_gate_up_tma_kernel[(progs or tiles,)](
         x_rows, wd, plan.act_PI, plan.sorted_P, plan.block_expert_B,
         plan.N, H, I, top_k_div, plan.max_blocks, tiles, x_rows.stride(0), plan.act_PI.stride(0),
         float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
-        ACT=_ACT_CODES[config.activation], PERSISTENT=False, WS=False, NUM_PROGS=1,
+        ACT=_ACT_CODES[config.activation], PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs),
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         num_warps=t.num_warps, num_stages=t.num_stages,
     )
@@ -468,10 +480,11 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
     ad = TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
+    progs = _programs(plan, t)
     y = plan.y_SNH
-    moe_down_tma_kernel[(tiles,)](
+    moe_down_tma_kernel[(progs or tiles,)](
         ad, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
-        PERSISTENT=False, WS=False, NUM_PROGS=1, BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs), BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
     )
 

@@ -47,7 +47,12 @@ _POW2 = (16, 32, 64, 128, 256)
 
 @dataclass(frozen=True, kw_only=True)
 class GemmTile:
-    """Tile of one grouped GEMM. split_k only applies to the down GEMM (gate_up needs whole sums)."""
+    """Tile of one grouped GEMM. split_k only applies to the down GEMM (gate_up needs whole sums).
+
+    persistent: only the TMA kernels (moeflow/kernels/moe_gemm_tma.py) have a persistent form (one
+    program per SM walking the grouped tile order); the pointer kernels ignore it. Same tiles, same
+    bits either way.
+    """
 
     block_n: int
     block_k: int
@@ -55,6 +60,7 @@ class GemmTile:
     num_stages: int = 3
     group_m: int = 8
     split_k: int = 1
+    persistent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):
@@ -69,6 +75,8 @@ class GemmTile:
             raise ValueError(f"GemmTile.group_m={self.group_m!r}: expected an int >= 1")
         if not isinstance(self.split_k, int) or not 1 <= self.split_k <= 16:
             raise ValueError(f"GemmTile.split_k={self.split_k!r}: expected an int in [1, 16]")
+        if not isinstance(self.persistent, bool):
+            raise ValueError(f"GemmTile.persistent={self.persistent!r}: expected a bool")
 
 
 @dataclass(frozen=True, kw_only=True)
