@@ -757,6 +757,15 @@ def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
                     assert len(calls) == n + 1, f"{name} T={T} bi={bi}: gate_up did not take TMA tiles"
                 assert_bitwise_equal(got, off.forward_tokens(x, ids, wts, w, cfg),
                                      what=f"{name} T={T} batch_invariant={bi}: TMA vs pointer tiles")
+        # the persistent form (one program per SM over the same tiles): the same bits again
+        pt = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True)
+        tiles = MoETileConfig(block_m=128, gate_up=pt, down=pt)
+        x, ids, wts = make_tokens(4096, H, E, K, torch.bfloat16, "cuda", seed=3)
+        n = len(calls)
+        got = TE.TritonExperts(tile_config=tiles, tma=True).forward_tokens(x, ids, wts, w, cfg)
+        assert len(calls) == n + 1, f"{name}: the persistent tiles did not take the TMA kernel"
+        assert_bitwise_equal(got, TE.TritonExperts(tile_config=tiles, tma=False).forward_tokens(x, ids, wts, w, cfg),
+                             what=f"{name}: persistent TMA vs pointer tiles")
     finally:
         TE._launch_gate_up_tma = orig
 
