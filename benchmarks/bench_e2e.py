@@ -87,6 +87,7 @@ import json
 import math
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -226,6 +227,8 @@ def build_model(cfg, device: torch.device, dtype: torch.dtype, seed: int):
 # mode. (Its decoded tokens are meaningless and are not compared.)
 NO_MOE = "no_moe"
 NO_MOE_KINDS = ("prefill", "decode")
+# Point kinds that --rounds repeats (wall-clock timings); the others run once.
+ROUND_KINDS = ("prefill", "decode")
 
 
 class _NoMoE(torch.nn.Module):
@@ -835,7 +838,10 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
             print(f"[{run.elapsed():6.1f}s] {name} {kind} {params}: skipped ({why})", flush=True)
             continue
         t_point = time.time()
-        for variant in args.variants_list:
+        # Timed points run the variants round-robin --rounds times (the host's speed drifts over a
+        # run; every variant samples the same stretch of it); a metric's value is the median.
+        rounds = args.rounds if kind in ROUND_KINDS else 1
+        for rnd, variant in [(r, v) for r in range(rounds) for v in args.variants_list]:
             if variant == NO_MOE and kind not in NO_MOE_KINDS:
                 continue  # a model without its MoE blocks has no decode, accuracy or profile worth a row
             n_rows = len(run.rows)
@@ -864,7 +870,10 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
                 except Exception as e:  # e.g. a kernel fault: the context is gone, later points will say so
                     run.add(**shape.base(variant, "cuda_sync_after_point", value=None, status=_err(e)))
             new = run.rows[n_rows:]
-            print(f"[{run.elapsed():6.1f}s] {name} {kind} {params} {variant}: "
+            for r in new:
+                r["round"] = rnd
+            print(f"[{run.elapsed():6.1f}s] {name} {kind} {params} {variant}"
+                  + (f" (round {rnd + 1}/{rounds})" if rounds > 1 else "") + ": "
                   + ("; ".join(_short(r) for r in new) if new else "done (rows come later)"), flush=True)
         dt = time.time() - t_point
         run.cost[kind] = dt
@@ -913,11 +922,13 @@ def _short(r: dict, *, shape: bool = False) -> str:
 
 # --------------------------------------------------------------------------- reports
 def _index(rows: list[dict]) -> dict:
-    out = {}
+    """(shape, variant, metric, T, batch, part) -> value; the median over rounds (--rounds)."""
+    vals: dict = {}
     for r in rows:
         if r.get("status") == "ok" and r.get("value") is not None:
-            out[(r["shape"], r["variant"], r["metric"], r.get("T"), r.get("batch"), r.get("part"))] = r["value"]
-    return out
+            vals.setdefault((r["shape"], r["variant"], r["metric"], r.get("T"), r.get("batch"), r.get("part")),
+                            []).append(r["value"])
+    return {k: statistics.median(v) for k, v in vals.items()}
 
 
 def summary_rows(run: Run) -> tuple[list[dict], list[str]]:
@@ -955,7 +966,8 @@ def markdown(run: Run) -> str:
              f"- Random weights (seed {a.seed}), {'fp32' if run.dtype == torch.float32 else 'bf16'}, vocab "
              f"{VOCAB if not a.tiny else TINY_VOCAB}, every layer MoE; layers per shape: "
              + ", ".join(f"{n} {s.get('layers', '?')}" for n, s in m["shapes"].items())
-             + f". One model instance per shape, patched and unpatched in turn. Medians of {a.repeats}.",
+             + f". One model instance per shape, patched and unpatched in turn. Medians of {a.repeats}"
+             + (f"; prefill / decode run round-robin {a.rounds} times, median of the rounds." if a.rounds > 1 else "."),
              f"- decode = `generate` greedy, prompt {a.prompt_len}, {a.new_tokens} new tokens, "
              "(t(N) − t(1)) / (N − 1); prefill = one forward, batch 1, use_cache=False, logits_to_keep=1.",
              "- Cells: hf rows are tok/s; other rows are variant tok/s ÷ hf tok/s (> 1 is faster).", ""]
@@ -1042,6 +1054,9 @@ def parse_args(argv=None):
     ap.add_argument("--shapes", default="all", help=f"comma list of {','.join(SHAPE_ORDER)} or 'all'")
     ap.add_argument("--layers", type=int, default=None, help="decoder layers per model (8; tiny 2); lowered to fit")
     ap.add_argument("--repeats", type=int, default=None, help="timed repeats per point, median (10; quick 3)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="prefill / decode points: run the variants round-robin this many times and report the "
+                         "median (the host's speed drifts; each variant samples the same stretch of it)")
     ap.add_argument("--decode-batches", default=None, help="comma list (1,16,64)")
     ap.add_argument("--prefill-T", default=None, help="comma list (512,2048,8192; quick 2048,8192)")
     ap.add_argument("--variants", default="hf,auto,triton_bi",

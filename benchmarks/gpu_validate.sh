@@ -6,7 +6,8 @@
 # Each step has its own time limit and writes OUTDIR/<step>.log, so a cut step still leaves the
 # others' logs: the GPU suite (tests/gpu_suite.sh, SUITE_LIMIT_S, default 420), the alignment sweep,
 # the launch / layer host A/B, and end-to-end prefill and decode with and without layer graphs
-# (E2E_SHAPES, default qwen3 and mixtral, 8 layers; E2E_T prefill lengths; E2E_LIMIT_S). All four
+# (E2E_SHAPES, default qwen3 and mixtral, 8 layers; E2E_T prefill lengths; E2E_ROUNDS round-robin
+# passes of the variants; E2E_LIMIT_S). MOEFLOW_TMA=1 in the environment runs the TMA GEMMs. All four
 # take ~14 min: more than one call's 10 (suite align, then host e2e).
 set -u
 OUT=${1:?usage: gpu_validate.sh OUTDIR [STEP ...]}
@@ -32,6 +33,7 @@ step host 90 python3 benchmarks/diag_host_and_graphs.py --sections launch layer 
 [ -f "$OUT/host.log" ] && grep -E '^(T=|--|jit|Fast|direct)' "$OUT/host.log"
 step e2e "${E2E_LIMIT_S:-240}" python3 benchmarks/bench_e2e.py --shapes "${E2E_SHAPES:-qwen3-30b-a3b,mixtral-8x7b}" \
   --points prefill,decode --prefill-T "${E2E_T:-512,2048,8192}" --decode-batches 1,16 --new-tokens 16 \
-  --variants hf,auto,auto+eager,no_moe --repeats 5 --no-accuracy --out "$OUT/e2e.json" --md "$OUT/e2e.md"
+  --variants hf,auto,auto+eager,no_moe --repeats 5 --rounds "${E2E_ROUNDS:-1}" --no-accuracy \
+  --out "$OUT/e2e.json" --md "$OUT/e2e.md"
 [ -f "$OUT/e2e.log" ] && tail -14 "$OUT/e2e.log"
 exit 0

@@ -80,6 +80,22 @@ def test_tiny_cpu_run_writes_sane_json(tmp_path):
     assert "| qwen3-30b-a3b | 2 | auto |" in text and "×" in text
 
 
+def test_rounds_repeat_the_timed_points_round_robin(tmp_path):
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, "benchmarks/bench_e2e.py", "--cpu", "--tiny", "--out", str(out), "--shapes", "mixtral-8x7b",
+           "--points", "prefill", "--prefill-T", "16", "--variants", "hf,auto", "--rounds", "2", "--repeats", "2"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = [r for r in json.loads(out.read_text())["rows"] if r["metric"] == "prefill_tok_s"]
+    assert [(r["variant"], r["round"]) for r in rows] == [("hf", 0), ("auto", 0), ("hf", 1), ("auto", 1)], rows
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.bench_e2e import _index
+
+    key = ("mixtral-8x7b", "hf", "prefill_tok_s", 16, None, None)
+    vals = sorted(r["value"] for r in rows if r["variant"] == "hf")
+    assert _index(rows)[key] == (vals[0] + vals[1]) / 2  # the median of the two rounds
+
+
 def _synthetic_cuda_trace():
     """A forward with one MoE block: ranges on the CPU thread, launches, kernels, a sync and a D2H copy."""
     def x(cat, name, ts, dur, **args):
