@@ -203,7 +203,7 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
 
     ours = TritonExperts(allow_cpu=dev.type == "cpu", decode_max_pairs=args.decode_max_pairs)
     impls = [("moeflow", ours)]
-    base["path"] = "decode" if ours.uses_decode_path(T, K, E) else "aligned"
+    base["path"] = "decode" if ours.uses_decode_path(T, K, E, w) else "aligned"
     if base["path"] == "decode" and not args.no_old:
         impls.append(("moeflow_4l", TritonExperts(decode_max_pairs=0, allow_cpu=dev.type == "cpu")))
     if not args.no_bi:
@@ -221,7 +221,7 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             except Exception as e:
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
             rows.append(row)
-        rows[-1]["tiles"] = (impl.decode_config_for(w, K, T) if impl.uses_decode_path(T, K, E)
+        rows[-1]["tiles"] = (impl.decode_config_for(w, K, T) if impl.uses_decode_path(T, K, E, w)
                              else impl.tile_config_for(w, K, T)).to_dict()
         if name == "moeflow_bi" and T > 1:
             # batch invariance, checked where it is timed: token 0 alone == token 0 in this batch

@@ -159,7 +159,7 @@ def _setup_experts(case: Case, tiny: bool, dev):
     ids, wts = routing(T, E, K, "uniform", dev, seed=0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, dtype)
     impl = TritonExperts(allow_cpu=tiny)
-    decode = impl.uses_decode_path(T, K, E)
+    decode = impl.uses_decode_path(T, K, E, w)
     tiles = (impl.decode_config_for(w, K, T) if decode else impl.tile_config_for(w, K, T)).to_dict()
     n_distinct = int(torch.unique(ids).numel())
     bias_el = (2 * I + H) if spec["bias"] else 0

@@ -409,6 +409,64 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
     return {"best": best, "bi": bi, "family": family, "tuned": tuned, "parts": parts}
 
 
+# Decode-path tiles (moeflow/kernels/moe_decode.py): gate_up one program per (pair, BN columns),
+# down one per (token, BN columns of H); narrow columns spread a T = 1 weight stream over the SMs.
+DECODE_GATE_UP = [_t(16, 256, 4, 3), _t(32, 128, 4, 4), _t(32, 256, 4, 3), _t(64, 128, 4, 4), _t(64, 64, 4, 5),
+                  _t(128, 64, 4, 4), _t(16, 128, 4, 4), _t(64, 256, 4, 3)]
+DECODE_DOWN = [_t(16, 256, 4, 3), _t(32, 256, 4, 3), _t(32, 128, 4, 4), _t(64, 128, 4, 4), _t(64, 256, 4, 3),
+               _t(128, 128, 4, 3), _t(16, 128, 4, 4), _t(128, 64, 4, 4)]
+
+
+def tune_decode(spec: dict, tokens: list[int], aligned: dict, reps: int, quick: bool, log,
+                dtype=torch.bfloat16) -> dict:
+    """{T: (DecodeConfig, decode s, aligned s)} for each T whose T*K fits the decode path.
+
+    Both paths are timed whole, the same way (one call, L2 flushed before it): the decode path
+    over every (gate_up, down) candidate pair, the aligned path with this tuning's best config
+    for that T (`aligned`: {T: MoETileConfig}). The caller keeps the T where decode won.
+    """
+    from moeflow.experts import triton as mt
+    from moeflow.tuning import DecodeConfig
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
+    K, E, H = spec["K"], spec["E"], spec["H"]
+    gus, dns = (DECODE_GATE_UP[:2], DECODE_DOWN[:2]) if quick else (DECODE_GATE_UP, DECODE_DOWN)
+    tma = tma_wanted(dev)
+
+    def point(T: int):
+        """(best DecodeConfig, its s, the aligned path's s) at T."""
+        ids, wts = routing(T, E, K, "uniform", dev)
+        x = torch.randn(T, H, device=dev, dtype=dtype)
+        ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
+        t_al = time_launch(lambda: mt._run(x, ids_N, wts_N, T, K, w, cfg, aligned[T], weight_on_input=False,
+                                           combine_weights=True, tma=tma), reps)
+        best = None
+        for g in gus:
+            for d in dns:
+                dc = DecodeConfig(gate_up=g, down=d)
+                try:
+                    t = time_launch(lambda dc=dc: mt._run_decode(x, ids_N, wts_N, T, K, w, cfg, dc,
+                                                                 weight_on_input=False), reps)
+                except Exception as e:  # a candidate the compiler refuses
+                    log(f"  decode T={T} {dc.to_dict()}: {type(e).__name__} {str(e)[:120]}")
+                    continue
+                if best is None or t < best[1]:
+                    best = (dc, t)
+        return None if best is None else (best[0], best[1], t_al)
+
+    out = {}
+    for T in tokens:
+        if T * K > mt.DECODE_MAX_PAIRS or T not in aligned:
+            continue
+        got = point(T)
+        if got is not None:
+            out[T] = got
+            log(f"  decode T={T}: {got[1] * 1e6:.1f} us vs aligned {got[2] * 1e6:.1f} us "
+                f"({'decode' if got[1] < got[2] else 'aligned'} kept)")
+    return out
+
+
 def verify_family(spec: dict, table: dict, dtype=torch.bfloat16) -> tuple[bool, str]:
     """Bitwise check on the device: tokens computed with each T's family config, inside batches of
     that T, must equal the same tokens computed inside the largest batch (its own config)."""
@@ -441,6 +499,9 @@ def main(argv=None) -> int:
     ap.add_argument("--log-json", default=None, help="write the per-T choices and worst BI ratios here")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new T after this many seconds")
     ap.add_argument("--skip-precompile", action="store_true")
+    ap.add_argument("--decode", action="store_true",
+                    help="also tune the two-launch decode path at every T with T*K <= 64 and write a 'decode' "
+                         "entry where it beats the aligned path (TritonExperts then takes it there)")
     ap.add_argument("--tma", action="store_true",
                     help="time the TMA kernels (MOEFLOW_TMA=1 for this process and its compile workers) and "
                          "also try the persistent form of the BM 64 / 128 tiles")
@@ -489,9 +550,16 @@ def main(argv=None) -> int:
             log(f"  batch-invariant family (worst ratio {fam[1]:.3f}): {'kept' if ok else 'DROPPED'}: {fam_note}")
             if not ok:
                 fam = None
+        decode = {}
+        if args.decode:
+            dec = tune_decode(spec, tokens, {T: c for T, (c, _) in res["best"].items()}, args.reps, args.quick,
+                              log, dtype=dtype)
+            decode = {T: dc for T, (dc, t_dec, t_al) in dec.items() if t_dec < t_al}
+            res["decode"] = {str(T): {"cfg": dc.to_dict(), "decode_us": t_dec * 1e6, "aligned_us": t_al * 1e6}
+                             for T, (dc, t_dec, t_al) in dec.items()}
         path = write_table(shape_key(spec, dtype), device, {T: c for T, (c, _) in res["best"].items()},
                            res["bi"][0] if res["bi"] else None, directory=Path(args.out_dir),
-                           batch_invariant_by_T=fam[0] if fam else None)
+                           batch_invariant_by_T=fam[0] if fam else None, decode=decode or None)
         report["shapes"][n] = {
             "file": path.name,
             "best": {str(T): {"cfg": c.to_dict(), "us": t * 1e6,
@@ -502,6 +570,7 @@ def main(argv=None) -> int:
             "batch_invariant_family": None if res["family"] is None else
             {"kept": fam is not None, "note": fam_note, "worst_ratio": res["family"][1],
              "ratios": res["family"][2], "by_T": {str(T): c.to_dict() for T, c in res["family"][0].items()}},
+            "decode": res.get("decode"),
         }
         for T, (c, t) in res["best"].items():
             gp, dp = (",P" if c.gate_up.persistent else ""), (",P" if c.down.persistent else "")

@@ -299,6 +299,34 @@ def test_decode_path_choice(monkeypatch):
         TritonExperts(decode_config=tiles)
 
 
+def test_decode_path_follows_tuned_decode_entries(monkeypatch, tmp_path):
+    """A table's "decode" entries (written where the tuner saw the decode path win) send the batches
+    nearest those T down it; the other T, BI mode, forced tiles and calls without weights do not."""
+    import moeflow.tuning as tuning
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.tuning import DecodeConfig, decode_tuned
+
+    E, H, I, K = 16, 32, 32, 4
+    cfg, w = make_case(E, H, I, K, "silu")
+    key = ShapeKey(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, layout="linear",
+                   interleaved=False, dtype="float32")
+    t = GemmTile(block_n=16, block_k=16, num_stages=1)
+    aligned = {T: MoETileConfig(block_m=16, gate_up=t, down=t) for T in (1, 4, 64)}
+    write_table(key, "cpu", aligned, None, directory=tmp_path, decode={T: DecodeConfig(gate_up=t, down=t) for T in (1, 4)})
+    # nearest tuned T in log scale over {1, 4, 64}: 3 -> 4, 8 -> 4, 12 -> 4, 24 -> 64
+    assert [decode_tuned(key, T, "cpu", directory=tmp_path) for T in (1, 3, 8, 12, 24, 64)] == [
+        True, True, True, True, False, False]
+    assert not decode_tuned(key, 1, "cpu")  # no table in the package directory for this shape
+    monkeypatch.setattr(tuning, "TUNING_DIR", tmp_path)
+    auto = TritonExperts(allow_cpu=True)
+    # T = 17: 68 pairs, over the decode path's 64
+    assert [auto.uses_decode_path(T, K, E, w) for T in (1, 3, 12, 17, 24)] == [True, True, True, False, False]
+    assert not auto.uses_decode_path(1, K, E)  # without the weights: no table to ask
+    assert not TritonExperts(allow_cpu=True, batch_invariant=True).uses_decode_path(1, K, E, w)
+    assert not TritonExperts(allow_cpu=True, tile_config=aligned[1]).uses_decode_path(1, K, E, w)
+    assert not TritonExperts(allow_cpu=True, decode_max_pairs=0).uses_decode_path(1, K, E, w)
+
+
 def test_decode_config_data(tmp_path):
     key = ShapeKey(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8, layout="linear",
                    interleaved=False, dtype="bfloat16")

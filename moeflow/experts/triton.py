@@ -6,8 +6,9 @@ I intermediate per expert, E experts held, P padded positions, S split-K parts o
 Two paths, chosen per call in `forward_tokens` (`uses_decode_path`); neither syncs the host,
 so a call can be captured in a CUDA graph and replayed.
 
-Decode path (opt-in: TritonExperts(decode_max_pairs=N); off by default, DECODE_BY_DEFAULT says
-why; never in batch-invariant mode; 2 launches,
+Decode path (TritonExperts(decode_max_pairs=N), or where a tuned table's "decode" entries say it
+won, moeflow.tuning.decode_tuned; not by heuristics, DECODE_BY_DEFAULT says why; never in
+batch-invariant mode; 2 launches,
 moeflow/kernels/moe_decode.py): no alignment pass; gate_up one program per (pair, column
 tile), the first pair of each expert computing all of that expert's pairs; down one program
 per (token, H tile) that sums its K slots in slot order with the combine weights in its
@@ -55,7 +56,7 @@ import torch
 
 from .._triton import triton_available
 from ..config import ExpertWeights, MoEConfig
-from ..tuning import DecodeConfig, MoETileConfig, ShapeKey, decode_lookup, lookup
+from ..tuning import DecodeConfig, MoETileConfig, ShapeKey, decode_lookup, decode_tuned, lookup
 from .base import check_pairs, tiling_experts
 
 _ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
@@ -191,16 +192,31 @@ class TritonExperts:
             self._cfg_cache[ck] = cfg
         return cfg
 
-    def uses_decode_path(self, num_tokens: int, top_k: int, num_experts: int) -> bool:
-        """Whether forward_tokens of num_tokens tokens with top_k slots runs the two-launch decode path."""
+    def uses_decode_path(self, num_tokens: int, top_k: int, num_experts: int,
+                         w: ExpertWeights | None = None) -> bool:
+        """Whether forward_tokens of num_tokens tokens with top_k slots runs the two-launch decode path.
+
+        With the weights `w` (what forward_tokens passes) a tuned table also decides: its
+        "decode" entries name the T where that path won (moeflow.tuning.decode_tuned).
+        """
         if self.batch_invariant:
             return False  # its bits must not depend on T: one (aligned) arithmetic for every T
         n = num_tokens * top_k
         if self.decode_max_pairs is not None:
             return 0 < n <= self.decode_max_pairs
-        if not DECODE_BY_DEFAULT:
+        if not 0 < n <= DECODE_MAX_PAIRS:
             return False
-        return 0 < n <= min(DECODE_MAX_PAIRS, DECODE_PAIRS_PER_EXPERT * num_experts)
+        if DECODE_BY_DEFAULT and n <= DECODE_PAIRS_PER_EXPERT * num_experts:
+            return True
+        if w is None or self.tile_config is not None:
+            return False
+        ck = ("decode_tuned", num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
+              w.dtype, str(w.device), num_tokens)
+        hit = self._cfg_cache.get(ck)
+        if hit is None:
+            name, _, key = self._lookup_facts(w, top_k, num_experts)
+            hit = self._cfg_cache[ck] = decode_tuned(key, num_tokens, name)
+        return hit
 
     def decode_config_for(self, w: ExpertWeights, top_k: int, num_tokens: int) -> DecodeConfig:
         """The DecodeConfig a decode-path call of num_tokens tokens runs with (cached per (shape, T))."""
@@ -267,7 +283,7 @@ class TritonExperts:
             ids_N = ids_N.to(torch.int32)
         wts_N = weights_TK.reshape(-1).contiguous()
         on_input = bool(getattr(config.router, "weight_on_input", False))
-        if self.uses_decode_path(T, K, tiling_experts(self, w)):
+        if self.uses_decode_path(T, K, tiling_experts(self, w), w):
             dcfg = self.decode_config_for(w, K, T)
             return _run_decode(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, dcfg, weight_on_input=on_input)
         cfg = self.tile_config_for(w, K, T)

@@ -21,7 +21,8 @@ for bit on the device before writing it (an MMA instruction whose internal sum o
 with the tile shape would break it; the tuner then keeps the single configuration).
 
 The decode path (moeflow/kernels/moe_decode.py, small T*K, default mode only) has its own
-tiles: gate_up one per (pair, column tile) program, down one per (token, H tile) program.
+tiles, and the tuner writes a "decode" entry only for a T where that path beat the aligned one:
+`decode_tuned` then sends the batches nearest that T down it. Its tiles: gate_up one per (pair, column tile) program, down one per (token, H tile) program.
 `decode_lookup` reads the "decode" entries, else takes gate_up from the aligned path's entry
 for that T (the same dot shape: BM=16 row tiles over one expert) and down from
 `default_decode_down`.
@@ -294,6 +295,19 @@ def default_decode_down(key: ShapeKey, num_tokens: int, sm_count: int = 132) -> 
         return GemmTile(block_n=min(bn, 32), block_k=32, num_warps=4, num_stages=1)
     bk = 256 if bn <= 32 else 128
     return GemmTile(block_n=bn, block_k=bk, num_warps=4, num_stages=3 if bk == 256 else 4)
+
+
+def decode_tuned(key: ShapeKey, num_tokens: int, device: str, *, directory: Path | None = None) -> bool:
+    """Whether the tuned table sends a batch of num_tokens tokens to the decode path.
+
+    The tuner writes a "decode" entry only for a T where the decode path beat the aligned one; a
+    batch follows the tuned T nearest to it (over both the aligned and the decode entries), so a
+    T between a decode winner and an aligned winner goes where its nearer neighbour went.
+    """
+    table = load_table(key, device, directory)
+    if table is None or not table["decode"]:
+        return False
+    return nearest_key(set(table["configs"]) | set(table["decode"]), num_tokens) in table["decode"]
 
 
 def decode_lookup(key: ShapeKey, num_tokens: int, device: str, *, sm_count: int = 132,
