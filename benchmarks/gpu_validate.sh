@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One GPU call that validates a branch and measures what it changes (a session's first call).
 #
-#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e (default: all)
+#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e tune
+#                                                          (default: suite align host e2e)
 #
 # Each step has its own time limit and writes OUTDIR/<step>.log, so a cut step still leaves the
 # others' logs: the GPU suite (tests/gpu_suite.sh, SUITE_LIMIT_S, default 420), the alignment sweep,
@@ -36,4 +37,9 @@ step e2e "${E2E_LIMIT_S:-240}" python3 benchmarks/bench_e2e.py --shapes "${E2E_S
   --variants hf,auto,auto+eager,no_moe --repeats 5 --rounds "${E2E_ROUNDS:-1}" --no-accuracy \
   --out "$OUT/e2e.json" --md "$OUT/e2e.md"
 [ -f "$OUT/e2e.log" ] && tail -14 "$OUT/e2e.log"
+# tune: tile tables for the TMA kernels (persistent forms too) and the decode path, written under
+# OUT/tuning (copy the JSON files into moeflow/tuning/ after reading the log); TUNE_SHAPES, TUNE_LIMIT_S.
+step tune "${TUNE_LIMIT_S:-420}" python3 benchmarks/tune_experts.py --shapes "${TUNE_SHAPES:-all}" --tma --decode \
+  --reps 6 --budget-s "$(( ${TUNE_LIMIT_S:-420} - 60 ))" --out-dir "$OUT/tuning" --log-json "$OUT/tune.json"
+[ -f "$OUT/tune.log" ] && grep -E "decode T=|T= |refused|tuning" "$OUT/tune.log" | tail -40
 exit 0

@@ -520,6 +520,7 @@ def main(argv=None) -> int:
         global PERSISTENT_BMS
         os.environ["MOEFLOW_TMA"] = "1"  # before the compile workers start: they inherit it
         PERSISTENT_BMS = (64, 128)
+    Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     deadline = t0 + args.budget_s
     names = parse_shapes(args.shapes)
