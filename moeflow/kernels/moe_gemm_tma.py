@@ -1,8 +1,10 @@
-"""Experimental Triton kernels: the aligned gate_up / down GEMMs with TMA weight tiles (Hopper).
+"""Triton kernels: the aligned gate_up / down GEMMs with TMA weight tiles (Hopper).
 
-Not wired into TritonExperts: `benchmarks/diag_tma_gemm.py` measures them against the kernels of
-moe_gemm.py (same alignment, same buffers, same activation) to decide whether they go behind the
-tuner's configuration seam (issue 16 item 1: prefill at >= 0.75 of the bf16 compute roof).
+TritonExperts runs them with tma=True / MOEFLOW_TMA=1 (moeflow.experts.triton: TMA_BY_DEFAULT
+says why not yet by default) where the layout allows; `benchmarks/diag_tma_gemm.py` measures
+them against the kernels of moe_gemm.py (same alignment, same buffers, same activation: the
+same bits; 1.01-1.31x faster on the H200, 2026-12-03). Issue 16 item 1: prefill at >= 0.75 of
+the bf16 compute roof.
 
 Why TMA for the weights only: a weight tile is a dense box of one expert's rows (linear layout
 W [E, N, K], K contiguous: viewed as [E*N, K]), which one TMA instruction copies into shared
@@ -11,8 +13,10 @@ of gate_up are gathered by token (Hopper's TMA has no gather), so they stay poin
 down GEMM's activation rows are contiguous in act_PI, so both of its operands use TMA.
 
 Variants (constexprs): PERSISTENT (one program per SM looping over (block, column-tile) work,
-grouped as moe_gemm._tile_ids orders it) and WS (Triton's automatic warp specialisation of the
-main loop: a producer warp group issues the copies while consumers run the wgmma).
+grouped as moe_gemm._tile_ids orders it; GemmTile.persistent) and WS (Triton's automatic warp
+specialisation of the main loop: a producer warp group issues the copies while consumers run
+the wgmma). WS is for the diagnostic only: Triton 3.6 aborted the process compiling it at BM = 64
+(an assertion in WSLowerToken.cpp), and it gained <= 2% elsewhere.
 
 Legend as in moe_gemm.py: P padded pair positions (max_blocks * BM), I intermediate, H hidden.
 Only the linear, non-interleaved layout without bias (mixtral, qwen3, deepseek families) and
