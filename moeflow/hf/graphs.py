@@ -48,6 +48,9 @@ def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after:
     moeflow.layer_graphs for when a step stays eager. Returns it (counters `captures` /
     `replays` / `eager`; `clear()`); `disable_layer_graphs(model)` turns it off.
 
+    `patch_model` calls this by default (`layer_graphs=True`, or a dict of these options);
+    calling it again replaces the model's LayerGraphs (and drops its captured graphs).
+
     Raises ValueError if the model is not patched.
     """
     from ..layer_graphs import LayerGraphs
