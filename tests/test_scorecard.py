@@ -1,0 +1,40 @@
+"""benchmarks/scorecard.py: issue 16's targets read from bench_experts rows (pure Python)."""
+
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from benchmarks.scorecard import load_points, main, scorecard  # noqa: E402
+
+
+def _row(shape, T, impl, mode, time_s, frac, floor_kind, routing="uniform", status="ok"):
+    return dict(shape=shape, routing=routing, T=T, impl=impl, mode=mode, time_s=time_s, roof_frac=frac,
+                floor_kind=floor_kind, status=status)
+
+
+def test_scorecard_items(tmp_path, capsys):
+    rows = [
+        _row("mixtral-8x7b", 8192, "moeflow", "eager", 1.0, 0.70, "compute"),
+        _row("mixtral-8x7b", 8192, "moeflow", "graph", 1.0, 0.80, "compute"),  # the graph row wins
+        _row("mixtral-8x7b", 8192, "moeflow_bi", "graph", 1.2, 0.66, "compute"),
+        _row("qwen3-30b-a3b", 1, "moeflow", "graph", 1e-5, 0.50, "hbm"),
+        _row("qwen3-30b-a3b", 8, "moeflow", "graph", 1e-5, 0.95, "hbm"),
+        _row("deepseek-v3", 2048, "moeflow", "graph", 1e-3, 0.9, "hbm", status="error: boom"),  # ignored
+    ]
+    path = tmp_path / "b.json"
+    path.write_text(json.dumps({"rows": rows}))
+    got = {(r["item"], r["shape"], r["T"]): r for r in scorecard(load_points([str(path)]))}
+    assert set(got) == {(1, "mixtral-8x7b", 8192), (3, "mixtral-8x7b", 8192), (5, "mixtral-8x7b", 8192),
+                        (2, "qwen3-30b-a3b", 1), (3, "qwen3-30b-a3b", 1), (2, "qwen3-30b-a3b", 8)}
+    assert got[(1, "mixtral-8x7b", 8192)]["met"] and got[(1, "mixtral-8x7b", 8192)]["ours"] == 0.80
+    assert got[(3, "mixtral-8x7b", 8192)]["met"]  # 0.80 >= the peer's 0.68
+    assert not got[(5, "mixtral-8x7b", 8192)]["met"]  # +20% > 10%
+    assert not got[(2, "qwen3-30b-a3b", 1)]["met"]  # 2.0x the floor > 1.6x
+    assert got[(3, "qwen3-30b-a3b", 1)]["met"]  # 0.50 >= 0.43
+    assert got[(2, "qwen3-30b-a3b", 8)]["met"]
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "4 of 6 points met." in out and "| 5 | mixtral-8x7b | uniform | 8192 | +20.0% | <= 10% | **no** |" in out
