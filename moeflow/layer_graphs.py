@@ -47,6 +47,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .experts.source import ResidentExperts
+from .parallel.local import LOCAL
+
 __all__ = ["LayerGraphs"]
 
 
@@ -112,10 +115,9 @@ class LayerGraphs:
 
     @staticmethod
     def eligible(layer, x_TH: torch.Tensor, input_ids, router_input) -> bool:
-        """Whether this step may run from a graph (module docstring: when it runs eagerly)."""
-        from .experts.source import ResidentExperts
-        from .parallel.local import LOCAL
+        """Whether this step may run from a graph (module docstring: when it runs eagerly).
 
+        Asked on every layer step: no imports or allocations here."""
         return (x_TH.is_cuda and input_ids is None and router_input is None and not torch.is_grad_enabled()
                 and layer.dispatcher is LOCAL and isinstance(layer.source, ResidentExperts)
                 and getattr(layer.last_impl, "graph_capturable", False)
