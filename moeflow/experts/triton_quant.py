@@ -110,7 +110,8 @@ def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, 
     """The tile configuration of the quantized kernels (pure Python: heuristics, no tuned tables yet).
 
     fp8_block: BK = G for both GEMMs (one scale a tile) and gate_up BN = G (the epilogue
-    quantizes whole groups of I). FP4: BK a multiple of G and >= 32 (16-byte packed loads).
+    quantizes whole groups of I), or a divisor of G at decode when G-wide tiles give too few
+    programs (a separate pass then quantizes the activation). FP4: BK a multiple of G and >= 32 (16-byte packed loads).
     Regimes follow rows per used expert ~ T*K / min(T*K, E), as moeflow.tuning.default_config:
     decode tiles (BM = 16, split-K down GEMM so the weight stream covers every SM), then wider
     tiles. batch_invariant: one configuration whatever T, no split-K. small: the interpreter /
@@ -137,7 +138,12 @@ def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, 
     if rows <= 16:
         bk = group if fp8 else 128
         if fp8:
-            gu = GemmTile(block_n=group, block_k=bk, num_warps=4, num_stages=4)
+            # Narrower than a group when whole groups would leave the SMs short of programs (the
+            # activation is then quantized by a separate pass): deepseek-v3 T = 1 ran 144 programs
+            # of BN = 128 on 132 SMs, 0.55 of the HBM roof (ncu, 2026-12-03).
+            widths = [bn for bn in (group, 64, 32) if bn <= group and group % bn == 0]
+            bn_gu = next((bn for bn in widths if used * math.ceil(I / bn) >= 2 * sm_count), widths[-1])
+            gu = GemmTile(block_n=bn_gu, block_k=bk, num_warps=4, num_stages=4)
         else:
             bn_gu = 64 if used * math.ceil(I / 64) >= 2 * sm_count else 32
             gu = GemmTile(block_n=bn_gu, block_k=bk, num_warps=4, num_stages=4)
@@ -175,9 +181,11 @@ def check_tile_config(cfg: MoETileConfig, fmt: str, group: int) -> None:
             if t.block_k != group:
                 raise ValueError(f"MoETileConfig.{name}.block_k={t.block_k}: fp8_block needs block_k == the "
                                  f"scale block bk = {group} (one scale a K tile)")
-        if cfg.gate_up.block_n % group:
-            raise ValueError(f"MoETileConfig.gate_up.block_n={cfg.gate_up.block_n}: fp8_block needs a multiple "
-                             f"of bk = {group} (the epilogue quantizes whole groups of I)")
+        bn = cfg.gate_up.block_n
+        if bn % group and group % bn:
+            raise ValueError(f"MoETileConfig.gate_up.block_n={bn}: fp8_block needs a multiple of bk = {group} "
+                             f"(the epilogue quantizes whole groups of I) or a divisor of it (a separate pass "
+                             f"quantizes)")
         return
     for name, t in (("gate_up", cfg.gate_up), ("down", cfg.down)):
         if t.block_k % group or t.block_k < 32:
@@ -413,9 +421,12 @@ class _Plan:
         self.sorted_P = torch.empty(self.P, dtype=torch.int32, device=dev)
         self.block_expert_B = torch.empty(self.max_blocks, dtype=torch.int32, device=dev)
         if self.fmt == "fp8_block":
-            # The intermediate activation goes from gate_up to down already quantized.
+            # The intermediate activation goes from gate_up to down already quantized; a gate_up
+            # tile narrower than a group leaves it in f32 for the row-quantization pass first.
             self.aq_PI = torch.empty(self.P, self.I, dtype=torch.float8_e4m3fn, device=dev)
             self.as_PG = torch.empty(self.P, -(-self.I // self.G), dtype=torch.float32, device=dev)
+            self.quant_out = cfg.gate_up.block_n % self.G == 0
+            self.act_PI = None if self.quant_out else torch.empty(self.P, self.I, dtype=torch.float32, device=dev)
         else:
             self.act_PI = torch.empty(self.P, self.I, dtype=x_MH.dtype, device=dev)
         S = cfg.down.split_k
@@ -429,14 +440,21 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if (_E8M0 is not None and t.dtype == _E8M0) else t
 
 
-def _launch_fp8_quant(x_MH: torch.Tensor, G: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(xq_MH float8_e4m3fn, xs_MG f32) of x rows, per row per G channels (quantize_fp8_activations)."""
+def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(xq_MH float8_e4m3fn, xs_MG f32) of x rows, per row per G channels (quantize_fp8_activations).
+
+    x_MH: bf16 / fp16 / f32 rows; out: the two buffers to fill (allocated if None).
+    """
     from ..kernels.moe_gemm_quant import fp8_quant_rows_kernel
 
     M, H = x_MH.shape
     ng = -(-H // G)
-    xq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x_MH.device)
-    xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
+    if out is not None:
+        xq, xs = out
+    else:
+        xq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x_MH.device)
+        xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
     gpp = _QUANT_GROUPS_PER_PROGRAM
     fp8_quant_rows_kernel[(M, -(-ng // gpp))](x_MH, xq, xs, M, H, x_MH.stride(0), xq.stride(0), xs.stride(0),
                                               G=G, GPP=gpp, num_warps=4)
@@ -461,13 +479,17 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         xq, xs = _launch_fp8_quant(x_rows, plan.G)
         ws = _u8(w.gate_up_scale)
         sbn = w.quant.block[0]
+        act = plan.act_PI if plan.act_PI is not None else plan.aq_PI  # dummy pointer when quantized in place
         kq.moe_gate_up_fp8_kernel[grid](
-            xq, xs, gu, ws, gub, plan.aq_PI, plan.as_PG, plan.sorted_P, plan.block_expert_B,
+            xq, xs, gu, ws, gub, plan.aq_PI, plan.as_PG, act, plan.sorted_P, plan.block_expert_B,
             plan.N, plan.H, plan.I, top_k_div, plan.max_blocks, sbn, -(-plan.I // sbn),
             xq.stride(0), xs.stride(0), *gu.stride(), *ws.stride(), gub.stride(0),
-            plan.aq_PI.stride(0), plan.as_PG.stride(0), limit, alpha,
-            SCALE_E8M0=ws.dtype == torch.uint8, EVEN_K=plan.H % t.block_k == 0, **common,
+            plan.aq_PI.stride(0), plan.as_PG.stride(0), act.stride(0), limit, alpha,
+            SCALE_E8M0=ws.dtype == torch.uint8, EVEN_K=plan.H % t.block_k == 0, QUANT_OUT=plan.quant_out, **common,
         )
+        if not plan.quant_out:
+            # Every placed row, padding rows included (their values are never stored by down).
+            _launch_fp8_quant(plan.act_PI, plan.G, out=(plan.aq_PI, plan.as_PG))
         return
     s = w.gate_up_scale.view(torch.uint8)  # E8M0 / e4m3 bytes, decoded in the kernel
     s2 = w.gate_up_scale_2 if w.gate_up_scale_2 is not None else s  # dummy pointer for mxfp4

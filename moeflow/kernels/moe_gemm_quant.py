@@ -157,19 +157,23 @@ def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_
 @fast_kernel
 @triton.jit(do_not_specialize=["num_pairs", "num_m"])
 def moe_gate_up_fp8_kernel(
-    xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr,
+    xq_ptr, xs_ptr, w_ptr, ws_ptr, b_ptr, aq_ptr, as_ptr, act_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, H, I, top_k, num_m, sbn, g_rows,
     stride_xq, stride_xs, stride_we, stride_wn, stride_wk, stride_wse, stride_wsn, stride_wsk, stride_be,
-    stride_aq, stride_as,
+    stride_aq, stride_as, stride_act,
     limit, alpha,
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
+    QUANT_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
 ):
     """Grid (max_blocks * cdiv(I, BN),). aq_PI / as_PG for the block's rows and BN columns of I.
 
-    BLOCK_K == G (one activation scale per row and one weight scale per column a tile) and
-    BLOCK_N % G == 0 (the epilogue quantizes whole groups). Gate row j of expert e scales by
-    ws[e, j // sbn, kt], up row j by ws[e, g_rows + j // sbn, kt] (g_rows = cdiv(I, sbn)).
+    BLOCK_K == G (one activation scale per row and one weight scale per column a tile). Gate row
+    j of expert e scales by ws[e, j // sbn, kt], up row j by ws[e, g_rows + j // sbn, kt]
+    (g_rows = cdiv(I, sbn)). QUANT_OUT (BLOCK_N % G == 0): the epilogue quantizes whole groups
+    into aq / as. Else (BLOCK_N a divisor of G: narrower tiles, more programs at decode) it
+    stores the f32 activation into act_PI [P, I] and fp8_quant_rows_kernel quantizes it after:
+    the same f32 values through the same _fp8_quant_groups, so the same bits.
     """
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
@@ -222,15 +226,18 @@ def moe_gate_up_fp8_kernel(
         g += bg.to(tl.float32)[None, :]
         u += bu.to(tl.float32)[None, :]
     out = _activate(g, u, limit, alpha, ACT)
-    # Columns past I are zero so they never raise a group's max.
-    out = tl.where(j_ok[None, :], out, 0.0)
-    q, s = _fp8_quant_groups(tl.reshape(out, (BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K)), 2)
     rows = offs_p.to(tl.int64)
-    tl.store(aq_ptr + rows[:, None] * stride_aq + offs_j[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)),
-             mask=row_ok[:, None] & j_ok[None, :])
-    offs_g = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
-    tl.store(as_ptr + rows[:, None] * stride_as + offs_g[None, :], s,
-             mask=row_ok[:, None] & (offs_g < tl.cdiv(I, BLOCK_K))[None, :])
+    if QUANT_OUT:
+        # Columns past I are zero so they never raise a group's max.
+        out = tl.where(j_ok[None, :], out, 0.0)
+        q, s = _fp8_quant_groups(tl.reshape(out, (BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K)), 2)
+        tl.store(aq_ptr + rows[:, None] * stride_aq + offs_j[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)),
+                 mask=row_ok[:, None] & j_ok[None, :])
+        offs_g = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
+        tl.store(as_ptr + rows[:, None] * stride_as + offs_g[None, :], s,
+                 mask=row_ok[:, None] & (offs_g < tl.cdiv(I, BLOCK_K))[None, :])
+    else:
+        tl.store(act_ptr + rows[:, None] * stride_act + offs_j[None, :], out, mask=row_ok[:, None] & j_ok[None, :])
 
 
 @fast_kernel
