@@ -8,7 +8,7 @@
 # others' logs: the GPU suite (tests/gpu_suite.sh, SUITE_LIMIT_S, default 420), the alignment sweep,
 # the launch / layer host A/B, and end-to-end prefill and decode with and without layer graphs
 # (E2E_SHAPES, default qwen3 and mixtral, 8 layers; E2E_T prefill lengths; E2E_ROUNDS round-robin
-# passes of the variants; E2E_LIMIT_S). MOEFLOW_TMA=1 in the environment runs the TMA GEMMs. All four
+# passes of the variants; E2E_LIMIT_S). MOEFLOW_TMA=0 in the environment runs the pointer GEMMs (TMA is the default on Hopper). All four
 # take ~14 min: more than one call's 10 (suite align, then host e2e).
 set -u
 OUT=${1:?usage: gpu_validate.sh OUTDIR [STEP ...]}

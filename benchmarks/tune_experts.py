@@ -16,8 +16,10 @@ Triton's on-disk cache (`--workers`); the timing pass then only loads cubins.
     PYTHONPATH=. python benchmarks/tune_experts.py --shapes qwen3-30b-a3b --tokens 1,8,64 --dry-run
     PYTHONPATH=. python benchmarks/tune_experts.py --shapes mixtral-8x7b --tma   # the TMA kernels (Hopper)
 
-With --tma the table is tuned for the TMA kernels (MOEFLOW_TMA=1 / TritonExperts(tma=True)); its
-tiles still run on the pointer kernels (which ignore `persistent`), though not tuned for them.
+The kernels timed are the ones TritonExperts runs on this device: the TMA kernels on Hopper
+(TMA_BY_DEFAULT; MOEFLOW_TMA=0 times the pointer kernels). --tma forces them (MOEFLOW_TMA=1) and
+also tries their persistent form; the tiles of a table still run on the pointer kernels (which
+ignore `persistent`), though not tuned for them.
 """
 
 from __future__ import annotations
@@ -180,10 +182,14 @@ def stage_tiles(table: dict, bm: int, quick: bool) -> list[GemmTile]:
 
 
 def tma_wanted(dev: torch.device) -> bool:
-    """Whether this tuning times the TMA kernels (MOEFLOW_TMA=1, set by --tma; Hopper or the interpreter)."""
-    if os.environ.get("MOEFLOW_TMA") != "1":
-        return False
-    return dev.type == "cpu" or torch.cuda.get_device_capability(dev)[0] >= 9
+    """Whether this tuning times the TMA kernels: on a GPU, what TritonExperts(tma=None) runs there
+    (TMA_BY_DEFAULT on Hopper or newer, MOEFLOW_TMA=0 / 1 overriding); under the interpreter only
+    with MOEFLOW_TMA=1 (--tma)."""
+    if dev.type == "cpu":
+        return os.environ.get("MOEFLOW_TMA") == "1"
+    from moeflow.experts.triton import _tma_device
+
+    return _tma_device(dev.index if dev.index is not None else torch.cuda.current_device())
 
 
 def bm_range(T: int, K: int, E: int, quick: bool) -> list[int]:
@@ -503,8 +509,8 @@ def main(argv=None) -> int:
                     help="also tune the two-launch decode path at every T with T*K <= 64 and write a 'decode' "
                          "entry where it beats the aligned path (TritonExperts then takes it there)")
     ap.add_argument("--tma", action="store_true",
-                    help="time the TMA kernels (MOEFLOW_TMA=1 for this process and its compile workers) and "
-                         "also try the persistent form of the BM 64 / 128 tiles")
+                    help="force the TMA kernels (MOEFLOW_TMA=1 for this process and its compile workers; "
+                         "the default on Hopper anyway) and also try the persistent form of the BM 64 / 128 tiles")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, fp32, under TRITON_INTERPRET=1 (set it yourself): checks the script, times nothing real")
     args = ap.parse_args(argv)

