@@ -8,9 +8,14 @@ falls back to (or refuses with) the torch reference when it says no.
 from __future__ import annotations
 
 import importlib.util
+import os
 from functools import lru_cache
 
-__all__ = ["triton_available"]
+__all__ = ["triton_available", "INTERPRETED"]
+
+# Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1): read once, as Triton reads it when
+# the kernels are decorated (not on every launch: the launch paths are hot).
+INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 @lru_cache(maxsize=1)

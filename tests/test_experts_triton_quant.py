@@ -237,9 +237,12 @@ def test_tile_rules():
     # with power-of-two tiles and a power-of-two block every width divides or is a multiple
     t128 = GemmTile(block_n=64, block_k=128)
     check_tile_config(MoETileConfig(block_m=16, gate_up=t128, down=t128), "fp8_block", 128)
-    # decode with few programs per SM picks the narrower tiles: deepseek-v3 T = 1 (8 experts x 2048 / 32)
-    assert quant_tile_config("fp8_block", 128, 256, 7168, 2048, 8, 1).gate_up.block_n == 32
-    assert quant_tile_config("fp8_block", 128, 256, 7168, 2048, 8, 4).gate_up.block_n == 128
+    # decode with under one program per SM picks narrower tiles: deepseek-v3 T = 1 (8 experts x 2048 / 128
+    # = 128 programs on 132 SMs -> BN 64), T = 2 (256 programs) keeps whole groups; its down GEMM splits K
+    ds = [quant_tile_config("fp8_block", 128, 256, 7168, 2048, 8, T) for T in (1, 2, 4)]
+    assert [c.gate_up.block_n for c in ds] == [64, 128, 128]
+    assert [c.down.split_k for c in ds] == [2, 2, 2]
+    assert quant_tile_config("fp8_block", 128, 8, 64, 64, 1, 1, sm_count=132).gate_up.block_n == 32
     with pytest.raises(ValueError, match=r"down.block_k=16: mxfp4 needs a multiple of its group 32"):
         check_tile_config(MoETileConfig(block_m=16, gate_up=t, down=GemmTile(block_n=64, block_k=16)), "mxfp4", 32)
 
@@ -696,6 +699,32 @@ def test_gpu_fp8_split_tiles():
     """FP8 gate_up tiles narrower than a group (decode: more programs, a separate quantization pass)
     against whole-group tiles and the W8A8 reference (check_fp8_split; written 2026-12-03, not yet run)."""
     check_fp8_split("cuda", torch.bfloat16, 1e-2, contextlib.nullcontext)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
+def test_gpu_fp4_asm_decode_bitwise(fmt, monkeypatch):
+    """The inline-PTX E2M1 decode (FP4_DECODE_ASM) gives the Triton decode's bits: GEMV (T = 1, 3),
+    MMA tiles (T = 64, 257) and the batch-invariant mode, every E2M1 code present."""
+    import moeflow.experts.triton_quant as tq
+    from moeflow.testing import assert_bitwise_equal
+
+    case = next(c for c in GPU_CASES if c[0] == fmt)
+    _, E, H, I, K, act, layout, il, bias, woi = case
+    cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device="cuda")
+    codes = wq.gate_up.view(torch.uint8).flatten()
+    assert torch.unique(codes & 15).numel() == 16 and torch.unique(codes >> 4).numel() == 16
+    for T in (1, 3, 64, 257):
+        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
+        outs = {}
+        for asm in (False, True):
+            monkeypatch.setattr(tq, "FP4_DECODE_ASM", asm)
+            outs[asm] = [impl.forward_tokens(x, ids, wts, wq, cfg)
+                         for impl in (tq.TritonQuantExperts(), tq.TritonQuantExperts(batch_invariant=True))]
+        path = "gemv" if tq.TritonQuantExperts().uses_gemv(wq, T * K) else "mma"
+        for i, mode in enumerate(("default", "batch_invariant")):
+            assert_bitwise_equal(outs[True][i], outs[False][i], what=f"{fmt} T={T} {mode} ({path}): PTX vs Triton decode")
 
 
 @gpu

@@ -13,7 +13,10 @@ Formats (`w.quant.format`; storage rules in moeflow.quant.experts):
     mxfp4      W4A16: weights dequantized in the GEMM's load path to the activations' dtype,
     nvfp4      bf16 / fp16 dots with f32 accumulation (Hopper has no FP4 MMA). Biases and
                interleaved gate/up (gpt-oss) supported. NVFP4 input scales (static activation
-               scales) are not read: activations stay bf16 / fp16.
+               scales) are not read: activations stay bf16 / fp16. The E2M1 codes are decoded by
+               inline PTX on CUDA (FP4_DECODE_ASM; the same bits as the Triton decode, which the
+               interpreter runs). Triton's tl.dot_scaled was tried for MXFP4 and dropped: not the
+               same bits, slower at prefill (benchmarks/RESULTS.md, 2026-12-03).
 
 Pipeline of one call (no host sync: capturable in a CUDA graph, replayable):
     align    ids -> sorted_P, block_expert_B               moeflow.kernels.moe_align (shared)
@@ -58,7 +61,7 @@ from functools import lru_cache
 
 import torch
 
-from .._triton import triton_available
+from .._triton import INTERPRETED, triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import GemmTile, MoETileConfig
 from .base import tiling_experts
@@ -79,6 +82,18 @@ _FP8_BK = (32, 64, 128, 256)
 _GEMV_TILES = dict(block_n=16, block_k=512, num_warps=8)
 _GEMV_TILES_SMALL = dict(block_n=16, block_k=64, num_warps=4)  # interpreter / CPU
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
+# FP4 kernels decode E2M1 bytes with inline PTX (moe_gemm_quant._FP4_DECODE_PTX: two values per
+# few integer ops) on CUDA; the same numbers as the Triton decode, which the interpreter runs
+# (it has no inline asm) and which False selects everywhere (A/B, tests).
+FP4_DECODE_ASM = True
+
+
+def _fp4_asm(t: torch.Tensor, rows: int, block_k: int, num_warps: int) -> bool:
+    """The FP4 kernels' ASM constexpr for tensors on t's device (module flag FP4_DECODE_ASM) and a
+    packed weight tile of rows x block_k/2 bytes: the asm block takes 4 bytes of one thread, so
+    the tile must give every thread a multiple of 4 (narrower tiles keep the Triton decode)."""
+    return (FP4_DECODE_ASM and t.device.type == "cuda" and not INTERPRETED
+            and rows * (block_k // 2) % (4 * 32 * num_warps) == 0)
 
 
 @lru_cache(maxsize=8)
@@ -138,17 +153,22 @@ def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, 
     if rows <= 16:
         bk = group if fp8 else 128
         if fp8:
-            # Narrower than a group when whole groups would leave the SMs short of programs (the
-            # activation is then quantized by a separate pass): deepseek-v3 T = 1 ran 144 programs
-            # of BN = 128 on 132 SMs, 0.55 of the HBM roof (ncu, 2026-12-03).
+            # Narrower than a group only when whole groups give less than one program per SM (the
+            # activation is then quantized by a separate pass). deepseek-v3 on the H200
+            # (benchmarks/diag_quant_tiles.py, 2026-12-03): T = 1 (8 experts x 16 tiles of 128 = 128
+            # programs) BN 64 127 us, BN 32 136, BN 128 135; T = 2 (256 programs) BN 128 214 us, 64 229.
             widths = [bn for bn in (group, 64, 32) if bn <= group and group % bn == 0]
-            bn_gu = next((bn for bn in widths if used * math.ceil(I / bn) >= 2 * sm_count), widths[-1])
+            bn_gu = next((bn for bn in widths if used * math.ceil(I / bn) >= sm_count), widths[-1])
             gu = GemmTile(block_n=bn_gu, block_k=bk, num_warps=4, num_stages=4)
         else:
             bn_gu = 64 if used * math.ceil(I / 64) >= 2 * sm_count else 32
             gu = GemmTile(block_n=bn_gu, block_k=bk, num_warps=4, num_stages=4)
         bn_d = 64 if used * math.ceil(H / 64) >= sm_count else 32
         split = _split_for(used, math.ceil(H / bn_d), math.ceil(I / bk), sm_count)
+        if fp8 and split == 1 and math.ceil(I / bk) >= 8:
+            # Two K halves even with enough programs: deepseek-v3 T = 1 (896 programs of BN 64)
+            # 119 us at S = 2 against 136 at S = 1; T = 2 224 vs 229, T = 4 equal (same run as above).
+            split = 2
         dn = GemmTile(block_n=bn_d, block_k=bk, num_warps=4, num_stages=4, split_k=split)
         return MoETileConfig(block_m=16, gate_up=gu, down=dn)
     if fp8:
@@ -500,7 +520,8 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         gub.stride(0),
         plan.act_PI.stride(0), limit, alpha,
         FMT=_FORMAT_CODES[plan.fmt], G=plan.G, INTERLEAVED=bool(w.interleaved),
-        EVEN_K=plan.H % t.block_k == 0, **common,
+        EVEN_K=plan.H % t.block_k == 0, ASM=_fp4_asm(gu, t.block_n * (2 if w.interleaved else 1), t.block_k, t.num_warps),
+        **common,
     )
 
 
@@ -536,7 +557,7 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
         plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split,
         plan.act_PI.stride(0), *dn.stride(), *s.stride(), s2.stride(0), db.stride(0),
         y.stride(0), y.stride(1),
-        FMT=_FORMAT_CODES[plan.fmt], G=plan.G, **common,
+        FMT=_FORMAT_CODES[plan.fmt], G=plan.G, ASM=_fp4_asm(dn, t.block_n, t.block_k, t.num_warps), **common,
     )
 
 
@@ -611,7 +632,8 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
         x_rows.stride(0), *gu.stride(), *s.stride(), s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0,
         gub.stride(0), act.stride(0), limit, alpha,
         FMT=FMT, G=G, ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved),
-        HAS_BIAS=w.gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+        HAS_BIAS=w.gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+        ASM=_fp4_asm(gu, bn * (2 if w.interleaved else 1), bk, nw), num_warps=nw,
     )
     dn, s = w.down, w.down_scale.view(torch.uint8)
     s2 = w.down_scale_2 if w.down_scale_2 is not None else s
@@ -619,7 +641,8 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
     kq.moe_down_w4_gemv_kernel[(N, math.ceil(H / bn))](
         act, dn, s, s2, db, y, ids_N, H, I, E,
         act.stride(0), *dn.stride(), *s.stride(), s2.stride(0), db.stride(0), y.stride(1),
-        FMT=FMT, G=G, HAS_BIAS=w.down_bias is not None, BLOCK_N=bn, BLOCK_K=bk, num_warps=nw,
+        FMT=FMT, G=G, HAS_BIAS=w.down_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
+        ASM=_fp4_asm(dn, bn, bk, nw), num_warps=nw,
     )
     _launch_combine(y, wts_N if combine_weights else None, ids_N, out, K, E)
     return out

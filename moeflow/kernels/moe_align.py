@@ -28,11 +28,10 @@ Counting uses integer histograms, so results never depend on thread timing.
 
 from __future__ import annotations
 
-import os
-
 import triton
 import triton.language as tl
 
+from .._triton import INTERPRETED
 from .launch import fast_kernel
 
 # The largest N done in one program, and the multi-kernel schedule's smallest chunk and most
@@ -55,12 +54,10 @@ ALIGN_ROWS = 16
 # steps; same layout. None: sorted on the GPU, serial steps under the Triton interpreter (whose
 # tl.sort is ~7x slower there than the steps). benchmarks/diag_align.py times both.
 ALIGN_SORTED: bool | None = None
-# Read once, as Triton reads it when the kernels are decorated (not on every launch: a hot path).
-_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _sorted_scatter() -> bool:
-    return ALIGN_SORTED if ALIGN_SORTED is not None else not _INTERPRETED
+    return ALIGN_SORTED if ALIGN_SORTED is not None else not INTERPRETED
 
 
 @triton.jit
