@@ -327,6 +327,30 @@ def test_decode_path_follows_tuned_decode_entries(monkeypatch, tmp_path):
     assert not TritonExperts(allow_cpu=True, decode_max_pairs=0).uses_decode_path(1, K, E, w)
 
 
+def test_tuner_merge_keeps_untuned_entries(tmp_path):
+    """tune_experts --merge-from: a run over some T replaces the table's entries at those T (a decode
+    entry at a T tuned now too) and keeps the others and the batch-invariant entries."""
+    sys.path.insert(0, str(ROOT))
+    from benchmarks.tune_experts import merge_into
+    from moeflow.tuning import DecodeConfig, load_table
+
+    key = ShapeKey(num_experts=8, hidden_size=32, intermediate_size=32, top_k=2, layout="linear",
+                   interleaved=False, dtype="float32")
+    a, b = GemmTile(block_n=16, block_k=16), GemmTile(block_n=32, block_k=32)
+    old_cfg = {T: MoETileConfig(block_m=16, gate_up=a, down=a) for T in (1, 8, 2048)}
+    bi = MoETileConfig(block_m=64, gate_up=a, down=a)
+    write_table(key, "cpu", old_cfg, bi, directory=tmp_path, decode={1: DecodeConfig(gate_up=a, down=a),
+                                                                       8: DecodeConfig(gate_up=a, down=a)})
+    new = {T: MoETileConfig(block_m=128, gate_up=b, down=b) for T in (8, 8192)}
+    new_bi = MoETileConfig(block_m=128, gate_up=b, down=b)
+    cfg, got_bi, by_t, dec = merge_into(load_table(key, "cpu", tmp_path), new, new_bi, None, {})
+    assert sorted(cfg) == [1, 8, 2048, 8192]
+    assert cfg[8] == new[8] and cfg[8192] == new[8192] and cfg[1] == old_cfg[1] and cfg[2048] == old_cfg[2048]
+    assert sorted(dec) == [1]  # T = 8 was tuned now (the aligned path won there)
+    assert got_bi == bi and by_t is None
+    assert merge_into(None, new, new_bi, None, {}) == (new, new_bi, None, {})
+
+
 def test_decode_config_data(tmp_path):
     key = ShapeKey(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8, layout="linear",
                    interleaved=False, dtype="bfloat16")
