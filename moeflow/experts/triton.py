@@ -182,15 +182,10 @@ class TritonExperts:
         """The MoETileConfig a call of num_tokens tokens runs with (cached per (shape, T))."""
         if self.tile_config is not None:
             return self.tile_config
-        dev = w.device
-        ck = (tiling_experts(self, w), w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
-              w.dtype, str(dev), num_tokens, self.batch_invariant)
-        cfg = self._cfg_cache.get(ck)
-        if cfg is None:
-            name, sms, key = self._lookup_facts(w, top_k, tiling_experts(self, w))
-            cfg = lookup(key, max(1, num_tokens), name, batch_invariant=self.batch_invariant, sm_count=sms)
-            self._cfg_cache[ck] = cfg
-        return cfg
+        bi = self.batch_invariant
+        return self._cached("bi" if bi else "aligned", w, top_k, tiling_experts(self, w), num_tokens,
+                            lambda name, sms, key: lookup(key, max(1, num_tokens), name, batch_invariant=bi,
+                                                          sm_count=sms))
 
     def uses_decode_path(self, num_tokens: int, top_k: int, num_experts: int,
                          w: ExpertWeights | None = None) -> bool:
@@ -210,27 +205,26 @@ class TritonExperts:
             return True
         if w is None or self.tile_config is not None:
             return False
-        ck = ("decode_tuned", num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
-              w.dtype, str(w.device), num_tokens)
-        hit = self._cfg_cache.get(ck)
-        if hit is None:
-            name, _, key = self._lookup_facts(w, top_k, num_experts)
-            hit = self._cfg_cache[ck] = decode_tuned(key, num_tokens, name)
-        return hit
+        return self._cached("decode_tuned", w, top_k, num_experts, num_tokens,
+                            lambda name, sms, key: decode_tuned(key, num_tokens, name))
 
     def decode_config_for(self, w: ExpertWeights, top_k: int, num_tokens: int) -> DecodeConfig:
         """The DecodeConfig a decode-path call of num_tokens tokens runs with (cached per (shape, T))."""
         if self.decode_config is not None:
             return self.decode_config
-        dev = w.device
-        ck = ("decode", tiling_experts(self, w), w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved,
-              w.dtype, str(dev), num_tokens)
-        cfg = self._cfg_cache.get(ck)
-        if cfg is None:
-            name, sms, key = self._lookup_facts(w, top_k, tiling_experts(self, w))
-            cfg = decode_lookup(key, max(1, num_tokens), name, sm_count=sms)
-            self._cfg_cache[ck] = cfg
-        return cfg
+        return self._cached("decode", w, top_k, tiling_experts(self, w), num_tokens,
+                            lambda name, sms, key: decode_lookup(key, max(1, num_tokens), name, sm_count=sms))
+
+    def _cached(self, kind: str, w: ExpertWeights, top_k: int, num_experts: int, num_tokens: int, make):
+        """make(device name, SM count, ShapeKey) for (kind, w's shape / layout / dtype / device, top_k,
+        num_experts, num_tokens), computed once per instance: a table lookup on every layer step
+        would be host time."""
+        ck = (kind, num_experts, w.hidden_size, w.intermediate_size, top_k, w.layout, w.interleaved, w.dtype,
+              str(w.device), num_tokens)
+        hit = self._cfg_cache.get(ck)
+        if hit is None:
+            hit = self._cfg_cache[ck] = make(*self._lookup_facts(w, top_k, num_experts))
+        return hit
 
     @staticmethod
     def _lookup_facts(w: ExpertWeights, top_k: int, num_experts: int) -> tuple[str, int, ShapeKey]:

@@ -126,7 +126,8 @@ def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, 
 
     fp8_block: BK = G for both GEMMs (one scale a tile) and gate_up BN = G (the epilogue
     quantizes whole groups of I), or a divisor of G at decode when G-wide tiles give too few
-    programs (a separate pass then quantizes the activation). FP4: BK a multiple of G and >= 32 (16-byte packed loads).
+    programs (a separate pass then quantizes the activation). FP4: BK a multiple of G and >= 32
+    (16-byte packed loads).
     Regimes follow rows per used expert ~ T*K / min(T*K, E), as moeflow.tuning.default_config:
     decode tiles (BM = 16, split-K down GEMM so the weight stream covers every SM), then wider
     tiles. batch_invariant: one configuration whatever T, no split-K. small: the interpreter /
@@ -520,8 +521,8 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         gub.stride(0),
         plan.act_PI.stride(0), limit, alpha,
         FMT=_FORMAT_CODES[plan.fmt], G=plan.G, INTERLEAVED=bool(w.interleaved),
-        EVEN_K=plan.H % t.block_k == 0, ASM=_fp4_asm(gu, t.block_n * (2 if w.interleaved else 1), t.block_k, t.num_warps),
-        **common,
+        EVEN_K=plan.H % t.block_k == 0,
+        ASM=_fp4_asm(gu, t.block_n * (2 if w.interleaved else 1), t.block_k, t.num_warps), **common,
     )
 
 
