@@ -110,6 +110,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("diag_quant_tiles: needs CUDA", file=sys.stderr)
         return 2
+    import moeflow.experts.triton_quant as tq
     from moeflow.experts.triton_quant import TritonQuantExperts, quant_group, quant_tile_config
 
     t0 = time.time()
@@ -123,7 +124,6 @@ def main(argv=None) -> int:
           f"{flops_roof / 1e12:.1f} TFLOP/s", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     plain_impl = TritonQuantExperts()
-    import moeflow.experts.triton_quant as tq
     sweep_T = {int(t) for t in args.sweep_tokens.split(",")}
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):

@@ -41,7 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS  # noqa: E402
+from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS, time_cuda_graph  # noqa: E402
 from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
 from moeflow.routing.spec import RouterSpec  # noqa: E402
 from moeflow.testing import patch_interpreter_index  # noqa: E402,F401 - re-exported for the other benchmarks
@@ -319,8 +319,6 @@ def time_replay(fn, reps: int) -> float:
     """
     if not torch.cuda.is_available():
         return time_launch(fn, reps)
-    from benchmarks.common import time_cuda_graph
-
     return time_cuda_graph(fn, reps=reps, flush=True)
 
 

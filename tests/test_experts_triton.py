@@ -330,7 +330,6 @@ def test_decode_path_follows_tuned_decode_entries(monkeypatch, tmp_path):
 def test_tuner_merge_keeps_untuned_entries(tmp_path):
     """tune_experts --merge-from: a run over some T replaces the table's entries at those T (a decode
     entry at a T tuned now too) and keeps the others and the batch-invariant entries."""
-    sys.path.insert(0, str(ROOT))
     from benchmarks.tune_experts import merge_into
     from moeflow.tuning import DecodeConfig, load_table
 
