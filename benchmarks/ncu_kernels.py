@@ -89,6 +89,8 @@ CASES: tuple[Case, ...] = (
          "router_step_cuda(fused=False) T=8: logits GEMM + selection kernel"),
     Case("quant_mxfp4_gemv_t1_gpt_oss", "quant", "gpt-oss-120b", 1,
          "TritonQuantExperts MXFP4 W4A16, T=1 (the GEMV path)"),
+    Case("quant_mxfp4_gemv_t8_gpt_oss", "quant", "gpt-oss-120b", 8,
+         "TritonQuantExperts MXFP4 W4A16, T=8 (the GEMV path, 32 pairs)"),
     Case("quant_mxfp4_prefill_t8192_gpt_oss", "quant", "gpt-oss-120b", 8192,
          "TritonQuantExperts MXFP4 W4A16, T=8192", tiny_T=64),
     Case("quant_fp8_decode_t1_deepseek_v3", "quant", "deepseek-v3", 1,

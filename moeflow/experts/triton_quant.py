@@ -27,7 +27,9 @@ Pipeline of one call (no host sync: capturable in a CUDA graph, replayable):
 FP4 decode (N <= _GEMV_MAX_PAIRS pairs, default mode): no align; GEMV kernels, one program per
 (pair, BN outputs), gate_up -> act_NI, down -> y_1NH, then the same combine. An MMA tile has
 16 rows, so at 1..2 pairs per expert it computed 8-16x the products and decoded every weight
-tile per 16-row block; the GEMV decodes each weight byte once per pair.
+tile per 16-row block; the GEMV decodes each weight byte once per pair, a packed int32 word
+(8 values) per inline-PTX block that also runs the word's fma chain against the activations,
+which each thread holds in registers (moe_gemm_quant._w4_gemv_rows).
 Kernels: moeflow/kernels/moe_gemm_quant.py (and the shared align / combine kernels).
 
 Modes:
@@ -73,13 +75,19 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16)
 _COMBINE_BLOCK_H = 1024
 # FP8 activation quantization: groups per program of the row-quantization pass.
 _QUANT_GROUPS_PER_PROGRAM = 4
-# FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 8), and its
-# tiles: BN outputs per program, BK reduction elements per step (BK/2 bytes of each of the
-# program's rows: 16 rows x 256 B = 4 KiB a step for down, 8 KiB for gate_up), warps.
-_GEMV_MAX_PAIRS = 32
+# FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
+# on the H200 (benchmarks/RESULTS.md, 2026-12-03, seventh session): the GEMV
+# beat the MMA tiles 1.7x at T = 16 and 1.3x at T = 32 (N = 64, 128); its cost grows with pairs,
+# the MMA tiles' with distinct experts, which stop growing near E.
+_GEMV_MAX_PAIRS = 128
 # fp8_block K blocks the kernels compile (BK = bk: one weight scale a K tile).
 _FP8_BK = (32, 64, 128, 256)
-_GEMV_TILES = dict(block_n=16, block_k=512, num_warps=8)
+# GEMV tiles: BN outputs per program (x2 rows for interleaved gate/up), BK reduction elements a step
+# (BK/8 packed int32 words of each row), warps. Up to _GEMV_FEW_PAIRS pairs the narrow tile (more
+# programs), above it the wider one (more rows per thread share its activations); same H200 sweep.
+_GEMV_FEW_PAIRS = 8
+_GEMV_TILES_FEW = dict(block_n=16, block_k=512, num_warps=4)
+_GEMV_TILES = dict(block_n=32, block_k=256, num_warps=4)
 _GEMV_TILES_SMALL = dict(block_n=16, block_k=64, num_warps=4)  # interpreter / CPU
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 # FP4 kernels decode E2M1 bytes with inline PTX (moe_gemm_quant._FP4_DECODE_PTX: two values per
@@ -94,6 +102,22 @@ def _fp4_asm(t: torch.Tensor, rows: int, block_k: int, num_warps: int) -> bool:
     the tile must give every thread a multiple of 4 (narrower tiles keep the Triton decode)."""
     return (FP4_DECODE_ASM and t.device.type == "cuda" and not INTERPRETED
             and rows * (block_k // 2) % (4 * 32 * num_warps) == 0)
+
+
+def _gemv_asm(t: torch.Tensor) -> bool:
+    """The GEMV kernels' ASM constexpr (one packed word an asm block: no tile constraint)."""
+    return FP4_DECODE_ASM and t.device.type == "cuda" and not INTERPRETED
+
+
+def _pairs_aligned(t: torch.Tensor) -> bool:
+    """Rows of t (16-bit elements, unit stride) start on 4 bytes: the GEMV reads them as int32 pairs."""
+    return t.data_ptr() % 4 == 0 and t.stride(0) % 2 == 0
+
+
+def _gemv_weights_ok(w: ExpertWeights) -> bool:
+    """The GEMV reads each packed weight row as int32 words: unit stride along K, rows and base on 4 bytes."""
+    return all(t.stride(-1) == 1 and t.stride(1) % 4 == 0 and t.stride(0) % 4 == 0 and t.data_ptr() % 4 == 0
+               for t in (w.gate_up, w.down))
 
 
 @lru_cache(maxsize=8)
@@ -292,9 +316,10 @@ class TritonQuantExperts:
 
     def uses_gemv(self, w: ExpertWeights, num_pairs: int) -> bool:
         """Whether a call of num_pairs (token, slot) pairs runs the FP4 GEMV path (module docstring):
-        FP4 weights, at most _GEMV_MAX_PAIRS pairs, default mode, no forced tile_config."""
+        FP4 weights stored with unit-stride, 4-byte-aligned rows (read as int32 words), at most
+        _GEMV_MAX_PAIRS pairs, default mode, no forced tile_config."""
         return (w.quant is not None and w.quant.format in ("mxfp4", "nvfp4") and not self.batch_invariant
-                and self.tile_config is None and 0 < num_pairs <= _GEMV_MAX_PAIRS)
+                and self.tile_config is None and 0 < num_pairs <= _GEMV_MAX_PAIRS and _gemv_weights_ok(w))
 
     def tile_config_for(self, w: ExpertWeights, top_k: int, num_tokens: int) -> MoETileConfig:
         """The MoETileConfig a call of num_tokens tokens runs with (cached per (shape, T))."""
@@ -613,13 +638,15 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
     dev, dt = x_MH.device, x_MH.dtype
     N, H, I, E = T * K, w.hidden_size, w.intermediate_size, w.num_experts
     G, FMT = quant_group(w.quant), _FORMAT_CODES[w.quant.format]
-    tiles = _GEMV_TILES_SMALL if dev.type == "cpu" else _GEMV_TILES
+    tiles = _GEMV_TILES_SMALL if dev.type == "cpu" else _GEMV_TILES_FEW if N <= _GEMV_FEW_PAIRS else _GEMV_TILES
     bn, bk, nw = tiles["block_n"], tiles["block_k"], tiles["num_warps"]
     if weight_on_input:
         # llama4: the expert's input is (w * x) rounded to x's dtype, one row per pair (as _run).
         x_rows, top_k_div = (x_MH.unsqueeze(1) * wts_N.view(T, K, 1).to(dt)).reshape(N, H), 1
     else:
         x_rows, top_k_div = x_MH, K
+    if not _pairs_aligned(x_rows):  # an odd row stride or storage offset: a fresh copy starts aligned
+        x_rows = torch.empty_like(x_rows, memory_format=torch.contiguous_format).copy_(x_rows)
     act = torch.empty(N, I, dtype=dt, device=dev)
     y = torch.empty(1, N, H, dtype=dt, device=dev)
     out = torch.empty(T, H, dtype=dt, device=dev)
@@ -628,22 +655,21 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
     gu, s = w.gate_up, w.gate_up_scale.view(torch.uint8)  # E8M0 / e4m3 bytes, decoded in the kernel
     s2 = w.gate_up_scale_2 if w.gate_up_scale_2 is not None else s  # dummy pointer for mxfp4
     gub = w.gate_up_bias if w.gate_up_bias is not None else gu      # dummy pointer without bias
+    asm = _gemv_asm(gu)
     kq.moe_gate_up_w4_gemv_kernel[(N, math.ceil(I / bn))](
         x_rows, gu, s, s2, gub, act, ids_N, H, I, E, top_k_div,
-        x_rows.stride(0), *gu.stride(), *s.stride(), s2.stride(0), s2.stride(1) if s2.dim() > 1 else 0,
-        gub.stride(0), act.stride(0), limit, alpha,
+        x_rows.stride(0), gu.stride(0), gu.stride(1), *s.stride(), s2.stride(0),
+        s2.stride(1) if s2.dim() > 1 else 0, gub.stride(0), act.stride(0), limit, alpha,
         FMT=FMT, G=G, ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved),
-        HAS_BIAS=w.gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-        ASM=_fp4_asm(gu, bn * (2 if w.interleaved else 1), bk, nw), num_warps=nw,
+        HAS_BIAS=w.gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk, ASM=asm, num_warps=nw,
     )
     dn, s = w.down, w.down_scale.view(torch.uint8)
     s2 = w.down_scale_2 if w.down_scale_2 is not None else s
     db = w.down_bias if w.down_bias is not None else dn
     kq.moe_down_w4_gemv_kernel[(N, math.ceil(H / bn))](
         act, dn, s, s2, db, y, ids_N, H, I, E,
-        act.stride(0), *dn.stride(), *s.stride(), s2.stride(0), db.stride(0), y.stride(1),
-        FMT=FMT, G=G, HAS_BIAS=w.down_bias is not None, BLOCK_N=bn, BLOCK_K=bk,
-        ASM=_fp4_asm(dn, bn, bk, nw), num_warps=nw,
+        act.stride(0), dn.stride(0), dn.stride(1), *s.stride(), s2.stride(0), db.stride(0), y.stride(1),
+        FMT=FMT, G=G, HAS_BIAS=w.down_bias is not None, BLOCK_N=bn, BLOCK_K=bk, ASM=asm, num_warps=nw,
     )
     _launch_combine(y, wts_N if combine_weights else None, ids_N, out, K, E)
     return out

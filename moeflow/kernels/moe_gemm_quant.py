@@ -521,35 +521,132 @@ def moe_down_w4_kernel(
 
 
 # ------------------------------------------------------------------------------ FP4 W4A16 GEMV (decode)
+# One packed int32 word (bytes b0..b3 = E2M1 elements 0..7 of a row, low nibble first) dotted with
+# eight f32 activations ($2..$9): decoded as _FP4_DECODE_PTX does (f16 words, then f32 = e2m1 *
+# 2^-14), then $0 = e0 * x0 and fma(e_i, x_i, $0) for i = 1..7, one chain in element order. Why one
+# asm block per word: the GEMV was issue-bound (ncu 2026-12-03: ALU the busiest pipe, 3 of 4 issue
+# slots) at 8.2 SASS instructions a weight value, a third of them moving x through shared memory
+# and reducing across threads every K step; a word a thread with its x in registers takes ~5.
+_FP4_DOT8_PTX = tl.constexpr("""
+{
+.reg .b32 t<4>, s<3>, a, b, c, d;
+.reg .b16 h<8>;
+.reg .f32 e<8>;
+shl.b32 t0, $1, 9;
+and.b32 t0, t0, 0x0E000E00;
+shl.b32 s0, $1, 12;
+and.b32 s0, s0, 0x80008000;
+or.b32 a, t0, s0;
+shl.b32 t1, $1, 5;
+and.b32 t1, t1, 0x0E000E00;
+shl.b32 s1, $1, 8;
+and.b32 s1, s1, 0x80008000;
+or.b32 b, t1, s1;
+shl.b32 t2, $1, 1;
+and.b32 t2, t2, 0x0E000E00;
+shl.b32 s2, $1, 4;
+and.b32 s2, s2, 0x80008000;
+or.b32 c, t2, s2;
+shr.b32 t3, $1, 3;
+and.b32 t3, t3, 0x0E000E00;
+and.b32 d, $1, 0x80008000;
+or.b32 d, d, t3;
+mov.b32 {h0, h4}, a;
+mov.b32 {h1, h5}, b;
+mov.b32 {h2, h6}, c;
+mov.b32 {h3, h7}, d;
+cvt.f32.f16 e0, h0;
+cvt.f32.f16 e1, h1;
+cvt.f32.f16 e2, h2;
+cvt.f32.f16 e3, h3;
+cvt.f32.f16 e4, h4;
+cvt.f32.f16 e5, h5;
+cvt.f32.f16 e6, h6;
+cvt.f32.f16 e7, h7;
+mul.rn.f32 $0, e0, $2;
+fma.rn.f32 $0, e1, $3, $0;
+fma.rn.f32 $0, e2, $4, $0;
+fma.rn.f32 $0, e3, $5, $0;
+fma.rn.f32 $0, e4, $6, $0;
+fma.rn.f32 $0, e5, $7, $0;
+fma.rn.f32 $0, e6, $8, $0;
+fma.rn.f32 $0, e7, $9, $0;
+}
+""")
+
+
 @triton.jit
-def _w4_gemv_rows(x_row_ptr, w_ptrs, s_ptrs, row_ok, K, stride_wk, stride_sk,
+def _fp4_dot8(wd, x0, x1, x2, x3, x4, x5, x6, x7, ASM: tl.constexpr):
+    """f32 like wd (int32 packed words): sum of e2m1_i * 2^-14 * x_i over a word's 8 elements, as
+    x0 * e0 then one fma per element in element order. ASM: _FP4_DOT8_PTX (CUDA only); else the
+    same decode (_fp4_decode) and the same mul / fma chain in Triton: the same bits on the GPU."""
+    if ASM:
+        return tl.inline_asm_elementwise(_FP4_DOT8_PTX, "=r,r,r,r,r,r,r,r,r,r",
+                                         [wd, x0, x1, x2, x3, x4, x5, x6, x7],
+                                         dtype=tl.float32, is_pure=True, pack=1)
+    e0, e1 = _fp4_decode(wd & 0xFF)
+    e2, e3 = _fp4_decode((wd >> 8) & 0xFF)
+    e4, e5 = _fp4_decode((wd >> 16) & 0xFF)
+    e6, e7 = _fp4_decode((wd >> 24) & 0xFF)
+    acc = e0 * x0
+    acc = tl.fma(e1, x1, acc)
+    acc = tl.fma(e2, x2, acc)
+    acc = tl.fma(e3, x3, acc)
+    acc = tl.fma(e4, x4, acc)
+    acc = tl.fma(e5, x5, acc)
+    acc = tl.fma(e6, x6, acc)
+    return tl.fma(e7, x7, acc)
+
+
+@triton.jit
+def _x_pairs_f32(p, X_BF16: tl.constexpr):
+    """(even, odd) f32 elements of 16-bit activation pairs p (int32 words: element 2i in the low half).
+    bf16 -> f32 is the bits moved up (exact); fp16 through a conversion."""
+    if X_BF16:
+        return (p << 16).to(tl.float32, bitcast=True), (p & -65536).to(tl.float32, bitcast=True)
+    lo = (p & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((p >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _w4_gemv_rows(x_row_ptr, w_rows, s_ptrs, row_ok, K, stride_sk,
                   FMT: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  ASM: tl.constexpr):
+                  X_BF16: tl.constexpr, ASM: tl.constexpr):
     """f32 [ROWS]: sum over K of W[row, k] * x[k] for ROWS packed weight rows and one activation row.
 
-    w_ptrs [ROWS, BK/2] / s_ptrs [ROWS, BK/G] point at the rows' first tile. Per tile: products
-    of the decoded values with x (f32), summed per group of G, times the group's scale, summed
-    over the groups; tiles summed in K order. K % G == 0 (the formats' rule), so a tile's
-    masked tail holds whole groups.
+    w_rows [ROWS]: byte pointers to the rows' packed K (unit stride, 4-byte aligned: read as int32
+    words of 8 elements); s_ptrs [ROWS, BK/G] the rows' first scale tile; x_row_ptr the 16-bit
+    activation row (4-byte aligned: read as element pairs). Per word: _fp4_dot8; per group of G:
+    the words' sums (tree), times 2^14, times the group's scale, into a per-(row, group slot)
+    f32 partial that stays in its thread across K steps; one sum over the slots at the end.
+    K % 16 == 0 (the formats' rule), so a step's tail holds whole words and groups.
     """
-    offs_b = tl.arange(0, BLOCK_K // 2)
+    W: tl.constexpr = BLOCK_K // 8
+    offs_w = tl.arange(0, W)
     offs_g = tl.arange(0, BLOCK_K // G)
-    acc = tl.zeros([ROWS], dtype=tl.float32)
+    x32 = x_row_ptr.to(tl.pointer_type(tl.int32))
+    w32 = w_rows.to(tl.pointer_type(tl.int32))[:, None] + offs_w[None, :]
+    acc = tl.zeros([ROWS, BLOCK_K // G], dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
-        b_ok = offs_b < (K - k0) // 2
+        w_ok = offs_w < (K - k0) // 8
         g_ok = offs_g < (K - k0) // G
-        p = tl.load(w_ptrs, mask=row_ok[:, None] & b_ok[None, :], other=0)
+        wd = tl.load(w32 + k0 // 8, mask=row_ok[:, None] & w_ok[None, :], other=0)
         s = _fp4_scale(tl.load(s_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0), FMT)
-        # x's even / odd elements, matching the low / high nibbles of each byte
-        xe = tl.load(x_row_ptr + k0 + 2 * offs_b, mask=b_ok, other=0.0).to(tl.float32)
-        xo = tl.load(x_row_ptr + k0 + 2 * offs_b + 1, mask=b_ok, other=0.0).to(tl.float32)
-        lo, hi = _fp4_decode_bytes(p, ASM)
-        prod = lo * xe[None, :] + hi * xo[None, :]                      # [ROWS, BK/2], pairs (2i, 2i+1)
-        grp = tl.sum(tl.reshape(prod, (ROWS, BLOCK_K // G, G // 2)), axis=2)
-        acc += tl.sum((grp * FP4_UNSCALE) * s, axis=1)
-        w_ptrs += BLOCK_K // 2 * stride_wk
+        xp = tl.load(x32 + k0 // 2 + 4 * offs_w[:, None] + tl.arange(0, 4)[None, :], mask=w_ok[:, None], other=0)
+        xe, xo = _x_pairs_f32(xp, X_BF16)                    # [W, 4]: elements 8w + 2p and 8w + 2p + 1
+        e02, e13 = tl.split(tl.reshape(xe, (W, 2, 2)))       # p = (0, 2) and (1, 3)
+        x0, x4 = tl.split(e02)
+        x2, x6 = tl.split(e13)
+        o02, o13 = tl.split(tl.reshape(xo, (W, 2, 2)))
+        x1, x5 = tl.split(o02)
+        x3, x7 = tl.split(o13)
+        d = _fp4_dot8(wd, x0[None, :], x1[None, :], x2[None, :], x3[None, :], x4[None, :], x5[None, :],
+                      x6[None, :], x7[None, :], ASM)         # [ROWS, W]
+        grp = tl.sum(tl.reshape(d, (ROWS, BLOCK_K // G, G // 8)), axis=2)
+        acc += (grp * FP4_UNSCALE) * s
         s_ptrs += BLOCK_K // G * stride_sk
-    return acc
+    return tl.sum(acc, axis=1)
 
 
 @fast_kernel
@@ -557,16 +654,16 @@ def _w4_gemv_rows(x_row_ptr, w_ptrs, s_ptrs, row_ok, K, stride_wk, stride_sk,
 def moe_gate_up_w4_gemv_kernel(
     x_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, act_ptr, ids_ptr,
     H, I, E, top_k,
-    stride_xt, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2g,
+    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_s2e, stride_s2g,
     stride_be, stride_an, limit, alpha,
     FMT: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False,
 ):
     """Grid (N, cdiv(I, BN)). act_NI[n, j] (x's dtype) for pair n, BN columns of I; expert ids_N[n],
     input row x[n // top_k]. A pair whose id is outside [0, E) is skipped (the combine turns its
-    token's row to NaN). Packed gate_up [E, 2I, H/2], scales [E, 2I, H/G]; interleaved (gpt-oss):
-    out row 2j is gate j, 2j + 1 up j (one [2BN] row block); NVFP4: s2[e, 0] / s2[e, 1] scale
-    gate / up sums (as moe_gate_up_w4_kernel)."""
+    token's row to NaN). Packed gate_up [E, 2I, H/2] (unit stride along H/2, rows 4-byte aligned),
+    scales [E, 2I, H/G]; interleaved (gpt-oss): out row 2j is gate j, 2j + 1 up j (one [2BN] row
+    block); NVFP4: s2[e, 0] / s2[e, 1] scale gate / up sums (as moe_gate_up_w4_kernel)."""
     n = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + n)
@@ -574,28 +671,28 @@ def moe_gate_up_w4_gemv_kernel(
         return
     e = e.to(tl.int64)
     x_row = x_ptr + (n // top_k).to(tl.int64) * stride_xt
+    x_bf16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_ok = offs_j < I
-    offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // G)
     w_base = w_ptr + e * stride_we
     s_base = s_ptr + e * stride_se
     if INTERLEAVED:
         offs_c = pid_n * 2 * BLOCK_N + tl.arange(0, 2 * BLOCK_N)
         c_ok = offs_c < 2 * I
-        acc = _w4_gemv_rows(x_row, w_base + offs_c[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+        acc = _w4_gemv_rows(x_row, w_base + offs_c * stride_wn,
                             s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk, c_ok, H,
-                            stride_wk, stride_sk, FMT, G, 2 * BLOCK_N, BLOCK_K, ASM)
+                            stride_sk, FMT, G, 2 * BLOCK_N, BLOCK_K, x_bf16, ASM)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0).to(tl.float32)
         g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     else:
-        g = _w4_gemv_rows(x_row, w_base + offs_j[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+        g = _w4_gemv_rows(x_row, w_base + offs_j * stride_wn,
                           s_base + offs_j[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
-                          stride_wk, stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
-        u = _w4_gemv_rows(x_row, w_base + (I + offs_j)[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+                          stride_sk, FMT, G, BLOCK_N, BLOCK_K, x_bf16, ASM)
+        u = _w4_gemv_rows(x_row, w_base + (I + offs_j) * stride_wn,
                           s_base + (I + offs_j)[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
-                          stride_wk, stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
+                          stride_sk, FMT, G, BLOCK_N, BLOCK_K, x_bf16, ASM)
         if FMT == 2:
             g = g * tl.load(s2_ptr + e * stride_s2e)
             u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
@@ -611,14 +708,14 @@ def moe_gate_up_w4_gemv_kernel(
 def moe_down_w4_gemv_kernel(
     act_ptr, w_ptr, s_ptr, s2_ptr, b_ptr, y_ptr, ids_ptr,
     H, I, E,
-    stride_an, stride_we, stride_wn, stride_wk, stride_se, stride_sn, stride_sk, stride_s2e, stride_be,
+    stride_an, stride_we, stride_wn, stride_se, stride_sn, stride_sk, stride_s2e, stride_be,
     stride_yn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ASM: tl.constexpr = False,
 ):
     """Grid (N, cdiv(H, BN)). y_NH[n, h] (y's dtype) = act_NI[n] @ W_d[ids_N[n]] (* s2) (+ b_d) for
-    BN rows h of the packed down [E, H, I/2] (scales [E, H, I/G]); pairs with an id outside
-    [0, E) skipped."""
+    BN rows h of the packed down [E, H, I/2] (unit stride along I/2, rows 4-byte aligned; scales
+    [E, H, I/G]); pairs with an id outside [0, E) skipped."""
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
     e = tl.load(ids_ptr + n)
@@ -627,12 +724,10 @@ def moe_down_w4_gemv_kernel(
     e = e.to(tl.int64)
     offs_h = pid_h * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
-    offs_b = tl.arange(0, BLOCK_K // 2)
     offs_g = tl.arange(0, BLOCK_K // G)
-    acc = _w4_gemv_rows(act_ptr + n.to(tl.int64) * stride_an,
-                        w_ptr + e * stride_we + offs_h[:, None] * stride_wn + offs_b[None, :] * stride_wk,
+    acc = _w4_gemv_rows(act_ptr + n.to(tl.int64) * stride_an, w_ptr + e * stride_we + offs_h * stride_wn,
                         s_ptr + e * stride_se + offs_h[:, None] * stride_sn + offs_g[None, :] * stride_sk, h_ok, I,
-                        stride_wk, stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
+                        stride_sk, FMT, G, BLOCK_N, BLOCK_K, act_ptr.dtype.element_ty == tl.bfloat16, ASM)
     if FMT == 2:
         acc = acc * tl.load(s2_ptr + e * stride_s2e)
     if HAS_BIAS:

@@ -1,0 +1,152 @@
+"""FP4 GEMV path (GPU): its tiles per T, against the MMA tiles and against an earlier revision's kernels.
+
+Legend: T tokens, K slots, N = T*K (token, slot) pairs, E experts, H hidden, I intermediate,
+BN outputs per program, BK reduction elements a step, W warps.
+
+Why: the MXFP4 decode GEMV (moeflow.experts.triton_quant, `uses_gemv`) was issue-bound (ncu
+2026-12-03: ALU the busiest pipe, ~75% of issue slots); it was rewritten to read packed int32 words
+with the activations in registers (one inline-PTX block a word: decode and fma chain). This tool
+measures, in one process, under CUDA-graph replay with L2 flushed (median of --reps):
+    baseline      TritonQuantExperts() of --baseline-rev (moeflow/experts/triton_quant.py and
+                  moeflow/kernels/moe_gemm_quant.py of that git revision, loaded beside the current
+                  ones; its own GEMV / MMA choice)
+    gemv_BNxBKwW  the current GEMV with those tiles (_GEMV_MAX_PAIRS raised so every T runs it)
+    gemv_..._tdec the first tile with FP4_DECODE_ASM = False: must equal it bit for bit
+    mma_default   the current MMA tiles (_GEMV_MAX_PAIRS = 0)
+floor = quantized bytes of the distinct experts touched + x + out over the read-only HBM roof
+measured in the same run; each row's rel-L2 is against the dequantized-f32 reference.
+
+    PYTHONPATH=. python benchmarks/diag_gemv_tiles.py --tokens 1,2,4,8,16,32 --baseline-rev 4ea8f86 \
+        --json out/diag_gemv_tiles.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.bench_experts_quant import SHAPES, build_weights, error_vs, reference  # noqa: E402
+from benchmarks.common import env_info, hbm_read_roof_bytes_per_s, time_cuda_graph  # noqa: E402
+from benchmarks.tune_experts import routing  # noqa: E402
+from moeflow.experts import triton_quant as tq  # noqa: E402
+
+TILES = ((16, 512, 8), (16, 256, 4), (32, 512, 8), (32, 256, 4), (16, 512, 4), (32, 512, 4), (64, 256, 8),
+         (16, 256, 8))
+
+
+def load_baseline(rev: str, tmp: Path):
+    """TritonQuantExperts class of git revision `rev` (its triton_quant and moe_gemm_quant modules,
+    relative imports pointed at the current package for everything else). `rev` may also be a
+    directory holding the two files (triton_quant.py, moe_gemm_quant.py), e.g. on a machine whose
+    copy of the tree has no .git."""
+    def show(path: str) -> str:
+        if Path(rev).is_dir():
+            return (Path(rev) / Path(path).name).read_text()
+        return subprocess.run(["git", "show", f"{rev}:{path}"], cwd=ROOT, check=True, capture_output=True,
+                              text=True).stdout
+
+    kq = re.sub(r"^from \.(\w+) import", r"from moeflow.kernels.\1 import", show("moeflow/kernels/moe_gemm_quant.py"),
+                flags=re.M)
+    tqs = show("moeflow/experts/triton_quant.py").replace("from ..kernels import moe_gemm_quant as kq",
+                                                          "import baseline_kq as kq")
+    tqs = re.sub(r"from \.\.(\w)", r"from moeflow.\1", tqs)
+    tqs = re.sub(r"^from \.(\w+) import", r"from moeflow.experts.\1 import", tqs, flags=re.M)
+    (tmp / "baseline_kq.py").write_text(kq)
+    (tmp / "baseline_tq.py").write_text(tqs)
+    sys.path.insert(0, str(tmp))
+    spec = importlib.util.spec_from_file_location("baseline_tq", tmp / "baseline_tq.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod.TritonQuantExperts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shape", default="gpt-oss-120b", choices=("gpt-oss-120b",))
+    ap.add_argument("--tokens", default="1,2,4,8,16,32")
+    ap.add_argument("--baseline-rev", default=None,
+                    help="git revision (or a directory with its two files) whose quantized experts run as 'baseline'")
+    ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--json", default=None)
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("diag_gemv_tiles: needs a CUDA device", file=sys.stderr)
+        return 2
+    dev = torch.device("cuda")
+    tmp = Path(tempfile.mkdtemp(prefix="moeflow_baseline_"))
+    baseline = load_baseline(args.baseline_rev, tmp) if args.baseline_rev else None
+    spec = SHAPES[args.shape]
+    cfg, wq, _ = build_weights(spec, dev, torch.bfloat16)
+    E, H, K = spec["E"], spec["H"], spec["K"]
+    roof = hbm_read_roof_bytes_per_s()
+    print(f"{env_info()} HBM read roof {roof / 1e12:.3f} TB/s", flush=True)
+    per_expert = sum(t[0].numel() * t.element_size() for t in (wq.gate_up, wq.down, wq.gate_up_scale, wq.down_scale))
+    per_expert += sum(t[0].numel() * t.element_size() for t in (wq.gate_up_bias, wq.down_bias) if t is not None)
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        ids, wts = routing(T, E, K, "uniform", dev)
+        x = (torch.randn(T, H, device=dev, generator=torch.Generator(device=dev).manual_seed(T)) * 0.5
+             ).to(torch.bfloat16)
+        floor = torch.unique(ids).numel() * per_expert + 2 * T * H * 2
+        ref = reference(x, ids, wts, wq, cfg, w8a8=False)
+        variants = [("baseline", baseline(), None, True)] if baseline else []
+        variants += [(f"gemv_{bn}x{bk}w{nw}", tq.TritonQuantExperts(), dict(block_n=bn, block_k=bk, num_warps=nw),
+                      True) for bn, bk, nw in TILES]
+        bn, bk, nw = TILES[0]
+        variants.append((f"gemv_{bn}x{bk}w{nw}_tdec", tq.TritonQuantExperts(),
+                         dict(block_n=bn, block_k=bk, num_warps=nw), False))
+        variants.append(("mma_default", tq.TritonQuantExperts(), "mma", True))
+        outs = {}
+        for name, impl, tiles, asm in variants:
+            saved = (dict(tq._GEMV_TILES), dict(tq._GEMV_TILES_FEW), tq._GEMV_MAX_PAIRS, tq.FP4_DECODE_ASM)
+            tq.FP4_DECODE_ASM = asm
+            if tiles == "mma":
+                tq._GEMV_MAX_PAIRS = 0
+            elif tiles is not None:
+                tq._GEMV_TILES.update(tiles)
+                tq._GEMV_TILES_FEW.update(tiles)
+                tq._GEMV_MAX_PAIRS = 1 << 20
+            try:
+                fn = lambda: impl.forward_tokens(x, ids, wts, wq, cfg)  # noqa: E731
+                out = fn()
+                torch.cuda.synchronize()
+                outs[name] = out.clone()
+                rel, _ = error_vs(out, ref)
+                t = time_cuda_graph(fn, reps=args.reps)
+                r = dict(T=T, variant=name, us=t * 1e6, roof=floor / roof / t, rel_l2=rel,
+                         path="gemv" if impl.uses_gemv(wq, T * K) else "mma")
+            except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
+                r = dict(T=T, variant=name, error=repr(exc)[:400])
+            finally:
+                tq._GEMV_TILES.clear()
+                tq._GEMV_TILES.update(saved[0])
+                tq._GEMV_TILES_FEW.clear()
+                tq._GEMV_TILES_FEW.update(saved[1])
+                tq._GEMV_MAX_PAIRS, tq.FP4_DECODE_ASM = saved[2], saved[3]
+            rows.append(r)
+            print(json.dumps(r), flush=True)
+        a, b = f"gemv_{bn}x{bk}w{nw}", f"gemv_{bn}x{bk}w{nw}_tdec"
+        if a in outs and b in outs:
+            same = torch.equal(outs[a].view(torch.int16), outs[b].view(torch.int16))
+            rows.append(dict(T=T, variant="asm_vs_tdec_bitwise", equal=bool(same)))
+            print(f"T={T} PTX vs Triton decode bit for bit: {same}", flush=True)
+    if args.json:
+        Path(args.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json).write_text(json.dumps(dict(rows=rows, roof=roof, env=env_info()), indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
