@@ -104,32 +104,35 @@ def _fp4_decode(p):
 # The same decode as inline PTX, four packed bytes (eight values) per block: each f16x2 word takes
 # two shifts and a masked or for two values, where the Triton form above spends that per value
 # (the E2M1 decode was the GEMV's limiter: ncu 2026-12-03, 64% SM / 22% DRAM at gpt-oss T = 1).
-# Words a = (lo b0, lo b2), b = (hi b0, hi b2), c = (lo b1, lo b3), d = (hi b1, hi b3) of the
-# input register $8 (bytes b0..b3, low byte first); outputs $0..$3 lo of b0..b3, $4..$7 hi.
-_FP4_DECODE_PTX = tl.constexpr("""
-{
+# From the input register W (bytes b0..b3, low byte first): f16x2 words a = (lo b0, lo b2),
+# b = (hi b0, hi b2), c = (lo b1, lo b3), d = (hi b1, hi b3), i.e. elements (0, 4), (1, 5), (2, 6),
+# (3, 7) of the word. Shared by the asm blocks below (W is their input operand).
+_E2M1_WORD_PTX = """
 .reg .b32 t<4>, s<3>, a, b, c, d;
 .reg .b16 h<8>;
-shl.b32 t0, $8, 9;
+shl.b32 t0, W, 9;
 and.b32 t0, t0, 0x0E000E00;
-shl.b32 s0, $8, 12;
+shl.b32 s0, W, 12;
 and.b32 s0, s0, 0x80008000;
 or.b32 a, t0, s0;
-shl.b32 t1, $8, 5;
+shl.b32 t1, W, 5;
 and.b32 t1, t1, 0x0E000E00;
-shl.b32 s1, $8, 8;
+shl.b32 s1, W, 8;
 and.b32 s1, s1, 0x80008000;
 or.b32 b, t1, s1;
-shl.b32 t2, $8, 1;
+shl.b32 t2, W, 1;
 and.b32 t2, t2, 0x0E000E00;
-shl.b32 s2, $8, 4;
+shl.b32 s2, W, 4;
 and.b32 s2, s2, 0x80008000;
 or.b32 c, t2, s2;
-shr.b32 t3, $8, 3;
+shr.b32 t3, W, 3;
 and.b32 t3, t3, 0x0E000E00;
-and.b32 d, $8, 0x80008000;
+and.b32 d, W, 0x80008000;
 or.b32 d, d, t3;
-mov.b32 {h0, h1}, a;
+"""
+
+# Outputs $0..$3 lo of b0..b3, $4..$7 hi; input $8.
+_FP4_DECODE_PTX = tl.constexpr("{" + _E2M1_WORD_PTX.replace("W", "$8") + """mov.b32 {h0, h1}, a;
 mov.b32 {h2, h3}, b;
 mov.b32 {h4, h5}, c;
 mov.b32 {h6, h7}, d;
@@ -527,31 +530,7 @@ def moe_down_w4_kernel(
 # asm block per word: the GEMV was issue-bound (ncu 2026-12-03: ALU the busiest pipe, 3 of 4 issue
 # slots) at 8.2 SASS instructions a weight value, a third of them moving x through shared memory
 # and reducing across threads every K step; a word a thread with its x in registers takes ~5.
-_FP4_DOT8_PTX = tl.constexpr("""
-{
-.reg .b32 t<4>, s<3>, a, b, c, d;
-.reg .b16 h<8>;
-.reg .f32 e<8>;
-shl.b32 t0, $1, 9;
-and.b32 t0, t0, 0x0E000E00;
-shl.b32 s0, $1, 12;
-and.b32 s0, s0, 0x80008000;
-or.b32 a, t0, s0;
-shl.b32 t1, $1, 5;
-and.b32 t1, t1, 0x0E000E00;
-shl.b32 s1, $1, 8;
-and.b32 s1, s1, 0x80008000;
-or.b32 b, t1, s1;
-shl.b32 t2, $1, 1;
-and.b32 t2, t2, 0x0E000E00;
-shl.b32 s2, $1, 4;
-and.b32 s2, s2, 0x80008000;
-or.b32 c, t2, s2;
-shr.b32 t3, $1, 3;
-and.b32 t3, t3, 0x0E000E00;
-and.b32 d, $1, 0x80008000;
-or.b32 d, d, t3;
-mov.b32 {h0, h4}, a;
+_FP4_DOT8_PTX = tl.constexpr("{\n.reg .f32 e<8>;" + _E2M1_WORD_PTX.replace("W", "$1") + """mov.b32 {h0, h4}, a;
 mov.b32 {h1, h5}, b;
 mov.b32 {h2, h6}, c;
 mov.b32 {h3, h7}, d;
