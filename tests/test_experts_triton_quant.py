@@ -28,6 +28,7 @@ interpreter fp16 rel-L2 <= 3e-3 (FP4) and <= 1e-2 (FP8). Failures print max-abs 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import importlib.util
 import os
 import subprocess
@@ -260,6 +261,10 @@ def test_gemv_path_choice():
     assert not TritonQuantExperts(batch_invariant=True, fp8=True).uses_gemv(w4, 1)
     forced = TritonQuantExperts(tile_config=quant_tile_config("mxfp4", 32, 2, 64, 64, 1, 1, small=True))
     assert not forced.uses_gemv(w4, 1)
+    # The GEMV reads packed rows as int32 words: a base off 4 bytes sends the call to the MMA tiles.
+    buf = torch.empty(w4.gate_up.numel() + 1, dtype=torch.uint8)
+    shifted = buf[1:].view(w4.gate_up.shape).copy_(w4.gate_up)
+    assert not impl.uses_gemv(dataclasses.replace(w4, gate_up=shifted), 1)
 
 
 def test_supports_quant():
@@ -477,6 +482,14 @@ def check_gemv(device, dtype, tol) -> None:
                 got = impl.forward_tokens(x, bad, wts, wq, cfg)
                 assert torch.isnan(got[1]).all(), f"{what}: a bad id must poison its token's row"
                 assert_bitwise_equal(got[[0, 2]], out[[0, 2]], what=f"{what}: other rows untouched by a bad id")
+                # The GEMV reads activation rows as int32 pairs: an odd row stride (rows not on 4
+                # bytes) is copied first, same bits.
+                wide = torch.zeros(T, H + 1, dtype=dtype, device=device)
+                wide[:, :H] = x
+                odd = wide[:, :H]
+                assert odd.stride(0) % 2 == 1
+                assert_bitwise_equal(impl.forward_tokens(odd, ids, wts, wq, cfg), out,
+                                     what=f"{what}: rows with an odd stride")
 
 
 # FP8 stages on the CPU: a GPU test shape, bf16 activations (exact ties of bf16 values on e4m3
