@@ -23,6 +23,7 @@ measured in the same run; each row's rel-L2 is against the dequantized-f32 refer
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import re
@@ -119,7 +120,7 @@ def main(argv=None) -> int:
                 tq._GEMV_TILES_FEW.update(tiles)
                 tq._GEMV_MAX_PAIRS = 1 << 20
             try:
-                fn = lambda: impl.forward_tokens(x, ids, wts, wq, cfg)  # noqa: E731
+                fn = functools.partial(impl.forward_tokens, x, ids, wts, wq, cfg)
                 out = fn()
                 torch.cuda.synchronize()
                 outs[name] = out.clone()
