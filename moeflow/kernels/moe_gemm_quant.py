@@ -32,10 +32,11 @@ activations' dtype (bf16 / fp16) and fed to a bf16 / fp16 dot with f32 accumulat
 values e2m1 * 2^(b - 127) and NVFP4 values e2m1 * s8 are exact in bf16 (at most 6 significant
 bits, f32's exponent range); NVFP4's s2 multiplies the f32 accumulator once per output.
 Decode (few pairs): GEMV kernels instead, one program per (pair, BN outputs), no alignment, no
-MMA tile of 16 rows for one pair: the packed bytes are decoded in registers and multiplied
-with the f32 activation row, summed with tl.sum in a fixed order (per group of G, times the
-group's scale, then over the groups of a tile, then over the tiles):
-    gemv gate_up  act_NI[n, j] = act(sum_kt sum_g s[j, g] * sum_{i in g} w[j, i] x[t, i] (+ b))
+MMA tile of 16 rows for one pair: each packed row is read as int32 words (8 values), each word
+decoded and multiplied with the activations in one fma chain (element order), and the sums run in
+a fixed order: words of a group (tl.sum), times 2^14 and the group's scale, into a per-(row, group
+slot) partial kept across the K steps, then one sum over the slots:
+    gemv gate_up  act_NI[n, j] = act(sum_slot sum_kt s[j, g] * sum_{words in g} dot8(w, x[t]) (+ b))
     gemv down     y_NH[n, h]   = (same over I of act_NI[n]) (* s2) (+ b_d)
 E2M1 decode (both paths): the code's three magnitude bits placed at fp16 bits 9..11 and its sign
 at bit 15 make the fp16 number e2m1 * 2^-14, exactly (0.5 becomes the fp16 subnormal 2^-15,
