@@ -96,17 +96,17 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 FP4_DECODE_ASM = True
 
 
-def _fp4_asm(t: torch.Tensor, rows: int, block_k: int, num_warps: int) -> bool:
-    """The FP4 kernels' ASM constexpr for tensors on t's device (module flag FP4_DECODE_ASM) and a
-    packed weight tile of rows x block_k/2 bytes: the asm block takes 4 bytes of one thread, so
-    the tile must give every thread a multiple of 4 (narrower tiles keep the Triton decode)."""
-    return (FP4_DECODE_ASM and t.device.type == "cuda" and not INTERPRETED
-            and rows * (block_k // 2) % (4 * 32 * num_warps) == 0)
-
-
 def _gemv_asm(t: torch.Tensor) -> bool:
-    """The GEMV kernels' ASM constexpr (one packed word an asm block: no tile constraint)."""
+    """The FP4 kernels' inline PTX for tensors on t's device (module flag FP4_DECODE_ASM; CUDA, not the
+    interpreter). The GEMV's asm block takes one packed word: no tile constraint."""
     return FP4_DECODE_ASM and t.device.type == "cuda" and not INTERPRETED
+
+
+def _fp4_asm(t: torch.Tensor, rows: int, block_k: int, num_warps: int) -> bool:
+    """The MMA tiles' ASM constexpr (_gemv_asm) for a packed weight tile of rows x block_k/2 bytes:
+    their asm block takes 4 bytes of one thread, so the tile must give every thread a multiple of 4
+    (narrower tiles keep the Triton decode)."""
+    return _gemv_asm(t) and rows * (block_k // 2) % (4 * 32 * num_warps) == 0
 
 
 def _pairs_aligned(t: torch.Tensor) -> bool:
