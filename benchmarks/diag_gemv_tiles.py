@@ -93,14 +93,12 @@ def main(argv=None) -> int:
     E, H, K = spec["E"], spec["H"], spec["K"]
     roof = hbm_read_roof_bytes_per_s()
     print(f"{env_info()} HBM read roof {roof / 1e12:.3f} TB/s", flush=True)
-    per_expert = sum(t[0].numel() * t.element_size() for t in (wq.gate_up, wq.down, wq.gate_up_scale, wq.down_scale))
-    per_expert += sum(t[0].numel() * t.element_size() for t in (wq.gate_up_bias, wq.down_bias) if t is not None)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         ids, wts = routing(T, E, K, "uniform", dev)
         x = (torch.randn(T, H, device=dev, generator=torch.Generator(device=dev).manual_seed(T)) * 0.5
              ).to(torch.bfloat16)
-        floor = torch.unique(ids).numel() * per_expert + 2 * T * H * 2
+        floor = torch.unique(ids).numel() * wq.expert_bytes + 2 * T * H * 2
         ref = reference(x, ids, wts, wq, cfg, w8a8=False)
         variants = [("baseline", baseline(), None, True)] if baseline else []
         variants += [(f"gemv_{bn}x{bk}w{nw}", tq.TritonQuantExperts(), dict(block_n=bn, block_k=bk, num_warps=nw),

@@ -592,7 +592,7 @@ def _x_pairs_f32(p, X_BF16: tl.constexpr):
 @triton.jit
 def _w4_gemv_rows(x_row_ptr, w_rows, s_ptrs, row_ok, K, stride_sk,
                   FMT: tl.constexpr, G: tl.constexpr, ROWS: tl.constexpr, BLOCK_K: tl.constexpr,
-                  X_BF16: tl.constexpr, ASM: tl.constexpr):
+                  ASM: tl.constexpr):
     """f32 [ROWS]: sum over K of W[row, k] * x[k] for ROWS packed weight rows and one activation row.
 
     w_rows [ROWS]: byte pointers to the rows' packed K (unit stride, 4-byte aligned: read as int32
@@ -614,7 +614,8 @@ def _w4_gemv_rows(x_row_ptr, w_rows, s_ptrs, row_ok, K, stride_sk,
         wd = tl.load(w32 + k0 // 8, mask=row_ok[:, None] & w_ok[None, :], other=0)
         s = _fp4_scale(tl.load(s_ptrs, mask=row_ok[:, None] & g_ok[None, :], other=0), FMT)
         xp = tl.load(x32 + k0 // 2 + 4 * offs_w[:, None] + tl.arange(0, 4)[None, :], mask=w_ok[:, None], other=0)
-        xe, xo = _x_pairs_f32(xp, X_BF16)                    # [W, 4]: elements 8w + 2p and 8w + 2p + 1
+        # [W, 4]: elements 8w + 2p and 8w + 2p + 1 (bf16 or fp16 by the row pointer's type)
+        xe, xo = _x_pairs_f32(xp, x_row_ptr.dtype.element_ty == tl.bfloat16)
         e02, e13 = tl.split(tl.reshape(xe, (W, 2, 2)))       # p = (0, 2) and (1, 3)
         x0, x4 = tl.split(e02)
         x2, x6 = tl.split(e13)
@@ -651,7 +652,6 @@ def moe_gate_up_w4_gemv_kernel(
         return
     e = e.to(tl.int64)
     x_row = x_ptr + (n // top_k).to(tl.int64) * stride_xt
-    x_bf16: tl.constexpr = x_ptr.dtype.element_ty == tl.bfloat16
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_ok = offs_j < I
     offs_g = tl.arange(0, BLOCK_K // G)
@@ -662,17 +662,17 @@ def moe_gate_up_w4_gemv_kernel(
         c_ok = offs_c < 2 * I
         acc = _w4_gemv_rows(x_row, w_base + offs_c * stride_wn,
                             s_base + offs_c[:, None] * stride_sn + offs_g[None, :] * stride_sk, c_ok, H,
-                            stride_sk, FMT, G, 2 * BLOCK_N, BLOCK_K, x_bf16, ASM)
+                            stride_sk, FMT, G, 2 * BLOCK_N, BLOCK_K, ASM)
         if HAS_BIAS:
             acc += tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0).to(tl.float32)
         g, u = tl.split(tl.reshape(acc, (BLOCK_N, 2)))
     else:
         g = _w4_gemv_rows(x_row, w_base + offs_j * stride_wn,
                           s_base + offs_j[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
-                          stride_sk, FMT, G, BLOCK_N, BLOCK_K, x_bf16, ASM)
+                          stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
         u = _w4_gemv_rows(x_row, w_base + (I + offs_j) * stride_wn,
                           s_base + (I + offs_j)[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
-                          stride_sk, FMT, G, BLOCK_N, BLOCK_K, x_bf16, ASM)
+                          stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
         if FMT == 2:
             g = g * tl.load(s2_ptr + e * stride_s2e)
             u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
@@ -707,7 +707,7 @@ def moe_down_w4_gemv_kernel(
     offs_g = tl.arange(0, BLOCK_K // G)
     acc = _w4_gemv_rows(act_ptr + n.to(tl.int64) * stride_an, w_ptr + e * stride_we + offs_h * stride_wn,
                         s_ptr + e * stride_se + offs_h[:, None] * stride_sn + offs_g[None, :] * stride_sk, h_ok, I,
-                        stride_sk, FMT, G, BLOCK_N, BLOCK_K, act_ptr.dtype.element_ty == tl.bfloat16, ASM)
+                        stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
     if FMT == 2:
         acc = acc * tl.load(s2_ptr + e * stride_s2e)
     if HAS_BIAS:
