@@ -410,6 +410,24 @@ def _run_interp(check: str) -> None:
     run_interpreter_check(__file__, check)
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="moeflow.kernels.pdl imports triton")
+def test_pdl_modes(monkeypatch):
+    """PDL is off on the CPU; the GEMMs' trigger mode follows GEMM_TRIGGER / MOEFLOW_PDL_TRIGGER and a bad
+    value is refused by name."""
+    import moeflow.kernels.pdl as P
+
+    assert not P.pdl_for(torch.device("cpu"))
+    assert P.gemm_mode(False) == P.OFF
+    monkeypatch.delenv("MOEFLOW_PDL_TRIGGER", raising=False)
+    monkeypatch.setattr(P, "GEMM_TRIGGER", "early")
+    assert P.gemm_mode(True) == P.EARLY
+    monkeypatch.setenv("MOEFLOW_PDL_TRIGGER", "exit")
+    assert P.gemm_mode(True) == P.AT_EXIT
+    monkeypatch.setenv("MOEFLOW_PDL_TRIGGER", "late")
+    with pytest.raises(ValueError, match="MOEFLOW_PDL_TRIGGER: 'late'"):
+        P.gemm_mode(True)
+
+
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
 @pytest.mark.parametrize("check", ["align", "families", "modes", "decode", "tma"])
 def test_interpreter(check):
@@ -463,6 +481,46 @@ def check_alignment(device: str) -> None:
             _check_alignment_cases(device, cases if device != "cpu" or not sorted_ else cases[:5] + [(700, 5, 16)])
     finally:
         A.ALIGN_SORTED = saved
+    check_small_alignment(device)
+
+
+def check_small_alignment(device: str) -> None:
+    """The small kernel (N <= ALIGN_SMALL_MAX: pairwise ranks) writes the fused kernel's layout bit
+    for bit, out-of-range ids included (never placed): every slot of the used blocks, every block."""
+    import moeflow.kernels.moe_align as A
+    from moeflow.experts.triton import max_blocks_for
+
+    g = torch.Generator().manual_seed(5)
+    saved = A.ALIGN_SMALL_MAX
+    try:
+        for N, E, bm in ((1, 1, 16), (7, 3, 16), (8, 256, 16), (33, 5, 16), (64, 3, 16), (50, 200, 16),
+                         (64, 64, 32)):
+            for mode in ("uniform", "one expert", "out of range"):
+                ids = torch.randint(0, E, (N,), generator=g, dtype=torch.int32)
+                if mode == "one expert":
+                    ids.fill_(E - 1)
+                elif mode == "out of range":
+                    ids[::3] = E
+                    ids[1::5] = -2
+                ids = ids.to(device)
+                mb = max_blocks_for(N, E, bm)
+                outs = []
+                for small_max in (max(saved, N), 0):
+                    A.ALIGN_SMALL_MAX = small_max
+                    sp = torch.full((mb * bm,), -7, dtype=torch.int32, device=device)
+                    be = torch.full((mb,), -7, dtype=torch.int32, device=device)
+                    A.align_launch(ids, E, bm, sp, be)
+                    outs.append((sp.cpu(), be.cpu()))
+                A.ALIGN_SMALL_MAX = saved
+                (sp_small, be_small), (sp_fused, be_fused) = outs
+                where = dict(N=N, E=E, bm=bm, mode=mode)
+                used = int((be_fused >= 0).sum())
+                assert torch.equal(be_small, be_fused), where
+                assert torch.equal(sp_small[: used * bm], sp_fused[: used * bm]), where
+                # every block is written; slots past the used blocks are not (module doc of moe_align)
+                assert bool((be_small != -7).all()), (where, "unwritten blocks")
+    finally:
+        A.ALIGN_SMALL_MAX = saved
 
 
 def _check_alignment_cases(device: str, cases) -> None:
@@ -906,6 +964,30 @@ def test_gpu_cuda_graph_replay(T):
         g.replay()
         torch.cuda.synchronize()
         assert_bitwise_equal(out, impl.forward_tokens(x2, ids2, wts2, w, cfg), what=f"graph replay T={T} seed={seed}")
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer")
+@pytest.mark.parametrize("shape", [GPU_SHAPES[1], GPU_SHAPES[2], GPU_SHAPES[4]],
+                         ids=[GPU_SHAPES[1][0], GPU_SHAPES[2][0], GPU_SHAPES[4][0]])
+def test_gpu_pdl_equals_stream_order_bitwise(shape):
+    """Programmatic dependent launch (moeflow/kernels/pdl.py) changes when kernels start, never what they
+    compute: eager and graph-replayed outputs equal stream order's bits, both GEMM trigger modes, decode
+    and prefill T; TMA tiles (qwen3_like), pointer tiles with bias (gptoss_like), weight on input
+    (llama4_like)."""
+    import moeflow.kernels.pdl as P
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.testing import assert_pdl_matches_stream
+
+    name, E, H, I, K, act, layout, il, bias, woi = shape
+    cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=torch.bfloat16, device="cuda", weight_on_input=woi)
+    assert P.pdl_for(torch.device("cuda")) == P.ENABLED, "PDL should be on for sm_90+ unless MOEFLOW_PDL=0"
+    impl = TritonExperts()
+    for T in (1, 3, 700):
+        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T + 20)
+        assert_pdl_matches_stream(lambda v, ids=ids, wts=wts: impl.forward_tokens(v, ids, wts, w, cfg), x,
+                                  what=f"{name} T={T}")
 
 
 def _layer_or_fail():

@@ -561,9 +561,9 @@ def check_fp8_split(device, dtype, tol, ref_context) -> None:
     calls = []
     orig = TQ._launch_fp8_quant
 
-    def counted(x, G, out=None):
+    def counted(x, G, out=None, **kw):
         calls.append(x.dtype)
-        return orig(x, G, out)
+        return orig(x, G, out, **kw)
 
     TQ._launch_fp8_quant = counted
     try:
@@ -740,6 +740,27 @@ def test_gpu_fp4_asm_decode_bitwise(fmt, monkeypatch):
         path = "gemv" if tq.TritonQuantExperts().uses_gemv(wq, T * K) else "mma"
         for i, mode in enumerate(("default", "batch_invariant")):
             assert_bitwise_equal(outs[True][i], outs[False][i], what=f"{fmt} T={T} {mode} ({path}): PTX vs Triton decode")
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="PDL needs Hopper or newer")
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4", "nvfp4"])
+def test_gpu_pdl_equals_stream_order_bitwise(fmt):
+    """Programmatic dependent launch (moeflow/kernels/pdl.py) gives stream order's bits, eager and from
+    a CUDA graph: the FP8 chain (x quantization, align, gate_up, [act quantization], down, combine), the
+    FP4 MMA tiles and the FP4 GEMV path (T = 1, 3), both GEMM trigger modes."""
+    from moeflow.experts.triton_quant import TritonQuantExperts
+    from moeflow.testing import assert_pdl_matches_stream
+
+    case = next(c for c in GPU_CASES if c[0] == fmt)
+    _, E, H, I, K, act, layout, il, bias, woi = case
+    cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device="cuda")
+    impl = TritonQuantExperts(fp8=True)
+    for T in (1, 3, 257):
+        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T + 40)
+        assert_pdl_matches_stream(lambda v, ids=ids, wts=wts: impl.forward_tokens(v, ids, wts, wq, cfg), x,
+                                  what=f"{fmt} T={T}")
 
 
 @gpu

@@ -20,6 +20,8 @@ Aligned path (everything else, and forward_pairs; 4 launches at small N, 6 at la
     gate_up  act_PI = act(x[tok] @ W_gu[e] (+ b_gu))     activation fused in the epilogue
     down     y_SNH  = act_PI @ W_d[e] (+ b_d)            split-K partials for decode shapes
     combine  out_TH = sum_k w[t,k] * sum_s y[s, t*K+k]   one small pass, slot order, no atomics
+On Hopper or newer each launch uses programmatic dependent launch (moeflow/kernels/pdl.py:
+the next kernel starts early and waits on the device; MOEFLOW_PDL=0 turns it off).
 The kernels are in moeflow/kernels/moe_align.py and moe_gemm.py; the tile configuration
 comes from moeflow.tuning (JSON written by benchmarks/tune_experts.py, nearest T), or its
 heuristics. On Hopper or newer (TMA_BY_DEFAULT; MOEFLOW_TMA=0 or `TritonExperts(tma=False)` turns
@@ -364,6 +366,11 @@ class _Plan:
         self.out_TH = torch.empty(T, self.H, dtype=x_MH.dtype, device=dev)
         self.precision = "ieee" if w.dtype == torch.float32 else "tf32"
         self.tma = False  # set by _run: TMA weight tiles allowed on this device
+        from ..kernels.pdl import gemm_mode, pdl_for
+
+        # programmatic dependent launch (moeflow/kernels/pdl.py): launch attribute, and the GEMMs' mode
+        self.pdl = pdl_for(dev)
+        self.pdl_gemm = gemm_mode(self.pdl)
 
 
 def _tma_weights_ok(t, W: torch.Tensor, n: int, k: int, bias) -> bool:
@@ -390,7 +397,7 @@ def _launch_tma(kind: str, t, launch) -> bool:
 def _launch_align(plan: _Plan, ids_N: torch.Tensor) -> None:
     from ..kernels.moe_align import align_launch
 
-    align_launch(ids_N, plan.E, plan.cfg.block_m, plan.sorted_P, plan.block_expert_B)
+    align_launch(ids_N, plan.E, plan.cfg.block_m, plan.sorted_P, plan.block_expert_B, pdl=plan.pdl)
 
 
 def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
@@ -416,7 +423,7 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved), HAS_BIAS=has_bias,
         EVEN_K=plan.H % t.block_k == 0, PRECISION=plan.precision,
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
     )
 
 
@@ -442,7 +449,7 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
         plan.act_PI.stride(0), dse, dsn, dsk, db.stride(0), y.stride(0), y.stride(1),
         HAS_BIAS=has_bias, EVEN_K=plan.I % t.block_k == 0, PRECISION=plan.precision,
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
     )
 
 
@@ -475,7 +482,7 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
         float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
         ACT=_ACT_CODES[config.activation], PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs),
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages,
+        num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
     )
 
 
@@ -496,25 +503,34 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
         ad, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
         PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs), BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+        PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
     )
 
 
 def _launch_combine(plan: _Plan, wts_N: torch.Tensor | None, ids_N: torch.Tensor) -> None:
     """out_TH = sum over slots (and splits) of y, weighted when wts_N is given."""
+    combine_launch(plan.y_SNH, wts_N, ids_N, plan.out_TH, plan.K, plan.E, pdl=plan.pdl)
+
+
+def combine_launch(y_SNH: torch.Tensor, wts_N: torch.Tensor | None, ids_N: torch.Tensor, out_TH: torch.Tensor,
+                   K: int, E: int, *, pdl: bool = False) -> None:
+    """out_TH [T, H] = sum over the K slots (and the S split parts of y_SNH [S, T*K, H]) of y, weighted by
+    wts_N [T*K] when given, in slot order (moe_gemm.moe_combine_kernel; shared by the quantized experts).
+
+    pdl: launched with programmatic dependent launch (moeflow/kernels/pdl.py; the caller checked pdl_for).
+    """
     from ..kernels.moe_gemm import moe_combine_kernel
 
-    H = plan.H
+    T, H = out_TH.shape
+    S = y_SNH.shape[0]
     # Each program keeps K*S loads of BLOCK_H in flight: narrow the block as K*S grows (no
     # spills, and more programs when T is small).
-    loads = plan.K * plan.cfg.down.split_k
-    bh = max(128, min(_COMBINE_BLOCK_H, 4096 // loads))
+    bh = max(128, min(_COMBINE_BLOCK_H, 4096 // (K * S)))
     bh = 1 << (bh.bit_length() - 1)
     bh = min(bh, 1 << max(0, (H - 1).bit_length()))
-    y, out = plan.y_SNH, plan.out_TH
-    moe_combine_kernel[(plan.T, math.ceil(H / bh))](
-        y, wts_N if wts_N is not None else ids_N, ids_N, out, H, plan.E, y.stride(0), y.stride(1),
-        out.stride(0), K=plan.K, SPLIT=plan.cfg.down.split_k, HAS_W=wts_N is not None, BLOCK_H=bh,
-        num_warps=4,
+    moe_combine_kernel[(T, math.ceil(H / bh))](
+        y_SNH, wts_N if wts_N is not None else ids_N, ids_N, out_TH, H, E, y_SNH.stride(0), y_SNH.stride(1),
+        out_TH.stride(0), K=K, SPLIT=S, HAS_W=wts_N is not None, BLOCK_H=bh, num_warps=4, PDL=pdl, launch_pdl=pdl,
     )
 
 

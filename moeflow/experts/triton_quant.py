@@ -67,12 +67,10 @@ from .._triton import INTERPRETED, triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import GemmTile, MoETileConfig
 from .base import tiling_experts
+from .triton import _ACT_CODES, combine_launch
 
-_ACT_CODES = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
 _FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
-# Combine pass: columns per program (as moeflow.experts.triton).
-_COMBINE_BLOCK_H = 1024
 # FP8 activation quantization: groups per program of the row-quantization pass.
 _QUANT_GROUPS_PER_PROGRAM = 4
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
@@ -479,6 +477,11 @@ class _Plan:
         # One part is the expert's output itself, in x's dtype; split-K partials stay f32.
         self.y_SNH = torch.empty(S, self.N, self.H, dtype=x_MH.dtype if S == 1 else torch.float32, device=dev)
         self.out_TH = torch.empty(T, self.H, dtype=x_MH.dtype, device=dev)
+        from ..kernels.pdl import gemm_mode, pdl_for
+
+        # programmatic dependent launch (moeflow/kernels/pdl.py): launch attribute, and the GEMMs' mode
+        self.pdl = pdl_for(dev)
+        self.pdl_gemm = gemm_mode(self.pdl)
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -486,11 +489,12 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
     return t.view(torch.uint8) if (_E8M0 is not None and t.dtype == _E8M0) else t
 
 
-def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch.Tensor] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq_MH float8_e4m3fn, xs_MG f32) of x rows, per row per G channels (quantize_fp8_activations).
 
-    x_MH: bf16 / fp16 / f32 rows; out: the two buffers to fill (allocated if None).
+    x_MH: bf16 / fp16 / f32 rows; out: the two buffers to fill (allocated if None); pdl: launched
+    with programmatic dependent launch (moeflow/kernels/pdl.py).
     """
     from ..kernels.moe_gemm_quant import fp8_quant_rows_kernel
 
@@ -503,7 +507,7 @@ def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch
         xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
     gpp = _QUANT_GROUPS_PER_PROGRAM
     fp8_quant_rows_kernel[(M, -(-ng // gpp))](x_MH, xq, xs, M, H, x_MH.stride(0), xq.stride(0), xs.stride(0),
-                                              G=G, GPP=gpp, num_warps=4)
+                                              G=G, GPP=gpp, num_warps=4, PDL=pdl, launch_pdl=pdl)
     return xq, xs
 
 
@@ -520,9 +524,9 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
     limit, alpha = float(config.swiglu_limit or 0.0), float(config.gptoss_alpha)
     common = dict(ACT=_ACT_CODES[config.activation], HAS_BIAS=has_bias, BLOCK_M=plan.cfg.block_m,
                   BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-                  num_stages=t.num_stages)
+                  num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl)
     if plan.fmt == "fp8_block":
-        xq, xs = _launch_fp8_quant(x_rows, plan.G)
+        xq, xs = _launch_fp8_quant(x_rows, plan.G, pdl=plan.pdl)
         ws = _u8(w.gate_up_scale)
         sbn = w.quant.block[0]
         act = plan.act_PI if plan.act_PI is not None else plan.aq_PI  # dummy pointer when quantized in place
@@ -535,7 +539,7 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         )
         if not plan.quant_out:
             # Every placed row, padding rows included (their values are never stored by down).
-            _launch_fp8_quant(plan.act_PI, plan.G, out=(plan.aq_PI, plan.as_PG))
+            _launch_fp8_quant(plan.act_PI, plan.G, out=(plan.aq_PI, plan.as_PG), pdl=plan.pdl)
         return
     s = w.gate_up_scale.view(torch.uint8)  # E8M0 / e4m3 bytes, decoded in the kernel
     s2 = w.gate_up_scale_2 if w.gate_up_scale_2 is not None else s  # dummy pointer for mxfp4
@@ -565,7 +569,7 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     y = plan.y_SNH
     common = dict(HAS_BIAS=has_bias, EVEN_K=plan.I % t.block_k == 0, BLOCK_M=plan.cfg.block_m,
                   BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-                  num_stages=t.num_stages)
+                  num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl)
     if plan.fmt == "fp8_block":
         ws = _u8(w.down_scale)
         kq.moe_down_fp8_kernel[grid](
@@ -587,23 +591,6 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
-def _launch_combine(y_SNH: torch.Tensor, wts_N: torch.Tensor | None, ids_N: torch.Tensor, out_TH: torch.Tensor,
-                    K: int, E: int) -> None:
-    """out_TH = sum over slots (and splits) of y, weighted when wts_N is given (moe_gemm's combine)."""
-    from ..kernels.moe_gemm import moe_combine_kernel
-
-    T, H = out_TH.shape
-    S = y_SNH.shape[0]
-    # K*S loads of BLOCK_H in flight per program: narrow the block as K*S grows.
-    bh = max(128, min(_COMBINE_BLOCK_H, 4096 // (K * S)))
-    bh = 1 << (bh.bit_length() - 1)
-    bh = min(bh, 1 << max(0, (H - 1).bit_length()))
-    moe_combine_kernel[(T, math.ceil(H / bh))](
-        y_SNH, wts_N if wts_N is not None else ids_N, ids_N, out_TH, H, E, y_SNH.stride(0), y_SNH.stride(1),
-        out_TH.stride(0), K=K, SPLIT=S, HAS_W=wts_N is not None, BLOCK_H=bh, num_warps=4,
-    )
-
-
 def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoETileConfig, *,
          weight_on_input: bool, combine_weights: bool) -> torch.Tensor:
     """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs)."""
@@ -611,7 +598,7 @@ def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoE
 
     check_tile_config(cfg, w.quant.format, quant_group(w.quant))
     plan = _Plan(x_MH, T, K, w, cfg)
-    align_launch(ids_N, plan.E, cfg.block_m, plan.sorted_P, plan.block_expert_B)
+    align_launch(ids_N, plan.E, cfg.block_m, plan.sorted_P, plan.block_expert_B, pdl=plan.pdl)
     if weight_on_input:
         # llama4: the expert's input is (w * x) rounded to x's dtype, made once before the GEMMs.
         x_rows = (x_MH.unsqueeze(1) * wts_N.view(T, K, 1).to(x_MH.dtype)).reshape(plan.N, plan.H)
@@ -619,7 +606,7 @@ def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoE
     else:
         _launch_gate_up(plan, x_MH, K, w, config)
     _launch_down(plan, w)
-    _launch_combine(plan.y_SNH, wts_N if combine_weights else None, ids_N, plan.out_TH, K, plan.E)
+    combine_launch(plan.y_SNH, wts_N if combine_weights else None, ids_N, plan.out_TH, K, plan.E, pdl=plan.pdl)
     return plan.out_TH
 
 
@@ -651,6 +638,10 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
     y = torch.empty(1, N, H, dtype=dt, device=dev)
     out = torch.empty(T, H, dtype=dt, device=dev)
     limit, alpha = float(config.swiglu_limit or 0.0), float(config.gptoss_alpha)
+    from ..kernels.pdl import gemm_mode, pdl_for
+
+    pdl = pdl_for(dev)  # programmatic dependent launch (moeflow/kernels/pdl.py)
+    gemv_pdl = gemm_mode(pdl)
 
     gu, s = w.gate_up, w.gate_up_scale.view(torch.uint8)  # E8M0 / e4m3 bytes, decoded in the kernel
     s2 = w.gate_up_scale_2 if w.gate_up_scale_2 is not None else s  # dummy pointer for mxfp4
@@ -662,6 +653,7 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
         s2.stride(1) if s2.dim() > 1 else 0, gub.stride(0), act.stride(0), limit, alpha,
         FMT=FMT, G=G, ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved),
         HAS_BIAS=w.gate_up_bias is not None, BLOCK_N=bn, BLOCK_K=bk, ASM=asm, num_warps=nw,
+        PDL=gemv_pdl, launch_pdl=pdl,
     )
     dn, s = w.down, w.down_scale.view(torch.uint8)
     s2 = w.down_scale_2 if w.down_scale_2 is not None else s
@@ -670,6 +662,7 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
         act, dn, s, s2, db, y, ids_N, H, I, E,
         act.stride(0), dn.stride(0), dn.stride(1), *s.stride(), s2.stride(0), db.stride(0), y.stride(1),
         FMT=FMT, G=G, HAS_BIAS=w.down_bias is not None, BLOCK_N=bn, BLOCK_K=bk, ASM=asm, num_warps=nw,
+        PDL=gemv_pdl, launch_pdl=pdl,
     )
-    _launch_combine(y, wts_N if combine_weights else None, ids_N, out, K, E)
+    combine_launch(y, wts_N if combine_weights else None, ids_N, out, K, E, pdl=pdl)
     return out

@@ -18,8 +18,9 @@ capturable in a CUDA graph (blocks past the end read block_expert = -1 and retur
 Ids outside [0, E) go to the spare bin E and are never placed: the GEMMs skip them and
 the combine pass writes NaN for them (loud, never a silent clamp).
 
-Two schedules, same results bit for bit:
-  * N <= ALIGN_FUSED_MAX: one program does count, scan and scatter (decode: one launch);
+Three schedules, same results bit for bit:
+  * N <= ALIGN_SMALL_MAX: one program ranks the pairs by [N, N] comparisons (decode);
+  * N <= ALIGN_FUSED_MAX: one program does count, scan and scatter (one launch);
   * larger N: count per chunk (grid) -> place per chunk (grid: each program sums the chunk
     histograms itself, places its chunk's pairs and writes its share of the blocks),
     chunks of align_chunk(N) pairs.
@@ -33,6 +34,7 @@ import triton.language as tl
 
 from .._triton import INTERPRETED
 from .launch import fast_kernel
+from .pdl import pdl_trigger, pdl_wait
 
 # The largest N done in one program, and the multi-kernel schedule's smallest chunk and most
 # chunks. From benchmarks/diag_align.py on the H200 (CUDA graph replays, 2026-12-03): the one
@@ -42,6 +44,18 @@ from .launch import fast_kernel
 # 49152-65536 (the one-program scan over chunks grew with their count; the place kernel that
 # replaced it sums the histograms ALIGN_ROWS chunks at a time in every program).
 ALIGN_FUSED_MAX = 256
+# Up to this many pairs the small kernel (pairwise comparisons, no E-wide histogram) places them:
+# the fused kernel's one program took 5.8-7.7 us at decode under ncu (qwen3 / deepseek-v3 T = 1,
+# 2026-12-03) for ~100 active cycles, a chain of dependent steps over E_PAD bins. The small kernel
+# (H200, 2026-12-04, benchmarks/diag_align.py, graph replay us): 4.1-4.7 against the fused kernel's
+# 6.2-8.4 at N = 4..32, 6.4 against 11.3-14.9 at N = 64; in a CUDA-graph timeline 1.7 us at N = 8.
+ALIGN_SMALL_MAX = 64
+# The small kernel's (warps, elements of its [BB, NP] block-owner matrix a step: BB = elements // NP) by
+# NP, the pairs padded to a power of two >= 16. H200, benchmarks/diag_align.py (2026-12-04, graph us
+# with the replay's overhead): NP = 64 8.0 us at (4, 2048), 6.4 at (8, 8192) (its [NP, NP] matrices
+# held 167 registers a thread with 4 warps, 96 with 8); NP <= 32 best at (4, 2048) (4.1-4.3 us, the
+# others 4.3-5.2).
+ALIGN_SMALL_LAUNCH = {16: (4, 2048), 32: (4, 2048), 64: (8, 8192)}
 ALIGN_CHUNK = 256
 ALIGN_MAX_CHUNKS = 128
 # Pairs handled together inside the scatter loop ([SUB, E_PAD] one-hot matrix).
@@ -156,10 +170,55 @@ def _padded_starts(count, E, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr):
 
 @fast_kernel
 @triton.jit(do_not_specialize=["N", "max_blocks"])
+def moe_align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_blocks,
+                           BLOCK_M: tl.constexpr, NP: tl.constexpr, FB: tl.constexpr, BB: tl.constexpr,
+                           PDL: tl.constexpr = False):
+    """One program, N <= NP pairs: the same layout as the fused kernel, from [NP, NP] comparisons
+    instead of histograms over E_PAD bins, a scan and a serial (or sorted) scatter.
+
+    For pair n of expert e (valid: 0 <= e < E): rank = its earlier pairs of e, count = e's pairs,
+    start = sum of ceil(count / BM) over the used experts with smaller ids (their blocks come
+    first), position start * BM + rank. The used blocks' slots are first filled with N (padding,
+    FB slots a step), then, after a barrier, each valid pair stores its index at its position;
+    blocks are written from a [BB, NP] comparison. Why fill-then-scatter: a [slots, NP] search
+    for each slot's pair costs (N + E) * BM / NP steps, 70 us at N = 64, BM = 64 on the H200.
+    """
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    n = tl.arange(0, NP)
+    ok = n < N
+    ids = tl.load(ids_ptr + n, mask=ok, other=-1)
+    valid = ok & (ids >= 0) & (ids < E)
+    same = (ids[:, None] == ids[None, :]) & valid[:, None] & valid[None, :]   # [n, m]
+    rank = tl.sum((same & (n[None, :] < n[:, None])).to(tl.int32), axis=1)
+    count = tl.sum(same.to(tl.int32), axis=1)
+    first = valid & (rank == 0)
+    nblk = (count + BLOCK_M - 1) // BLOCK_M
+    before = first[None, :] & (ids[None, :] < ids[:, None])                  # m's expert precedes n's
+    start = tl.sum(tl.where(before, nblk[None, :], 0), axis=1)
+    used_slots = tl.sum(tl.where(first, nblk, 0), axis=0) * BLOCK_M
+    pad = tl.full([FB], 0, tl.int32) + N
+    for p0 in range(0, used_slots, FB):
+        p = p0 + tl.arange(0, FB)
+        tl.store(sorted_ptr + p, pad, mask=p < used_slots)
+    # The pairs overwrite some of those slots: the padding stores of every thread must land first.
+    tl.debug_barrier()
+    tl.store(sorted_ptr + start * BLOCK_M + rank, n, mask=valid)
+    for b0 in range(0, max_blocks, BB):
+        b = b0 + tl.arange(0, BB)
+        owns = first[None, :] & (start[None, :] <= b[:, None]) & (b[:, None] < start[None, :] + nblk[None, :])
+        e = tl.max(tl.where(owns, ids[None, :], -1), axis=1)
+        tl.store(block_expert_ptr + b, e, mask=b < max_blocks)
+
+
+@fast_kernel
+@triton.jit(do_not_specialize=["N", "max_blocks"])
 def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_blocks,
                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                           SUB: tl.constexpr, BLOCKS: tl.constexpr, SORTED: tl.constexpr):
+                           SUB: tl.constexpr, BLOCKS: tl.constexpr, SORTED: tl.constexpr, PDL: tl.constexpr = False):
     """One program: count, scan, scatter. For N <= ALIGN_FUSED_MAX (decode)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     count = _count_range(ids_ptr, 0, N, E, CHUNK, E_PAD)
     count, start = _padded_starts(count, E, BLOCK_M, E_PAD)
     _write_blocks(sorted_ptr, block_expert_ptr, start, count, N, E, max_blocks, 0, max_blocks, BLOCK_M, E_PAD,
@@ -172,8 +231,11 @@ def moe_align_fused_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_bloc
 
 @fast_kernel
 @triton.jit(do_not_specialize=["N"])
-def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr):
+def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Grid (num_chunks,): counts_CE[c] = histogram of chunk c."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     c = tl.program_id(0)
     n_lo = c * CHUNK
     n_hi = tl.minimum(n_lo + CHUNK, N)
@@ -185,13 +247,16 @@ def moe_align_count_kernel(ids_ptr, counts_ptr, N, E, CHUNK: tl.constexpr, E_PAD
 @triton.jit(do_not_specialize=["N", "num_chunks", "max_blocks"])
 def moe_align_place_kernel(ids_ptr, counts_ptr, sorted_ptr, block_expert_ptr, N, E, num_chunks, max_blocks,
                            BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, SUB: tl.constexpr,
-                           BLOCKS: tl.constexpr, ROWS: tl.constexpr, SORTED: tl.constexpr):
+                           BLOCKS: tl.constexpr, ROWS: tl.constexpr, SORTED: tl.constexpr,
+                           PDL: tl.constexpr = False):
     """Grid (num_chunks,): program c sums the chunk histograms (all of them, and those before c,
     ROWS at a time), places chunk c's pairs from there, and writes its share of the blocks.
 
     Every program computes the same totals from the same integers, so the layout equals the
     one-program schedule's; no scan program, no third launch.
     """
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     c = tl.program_id(0)
     e_idx = tl.arange(0, E_PAD)
     total = tl.zeros([E_PAD], dtype=tl.int32)
@@ -224,12 +289,14 @@ def align_chunk(n: int) -> int:
     return max(ALIGN_CHUNK, _next_pow2(-(-n // ALIGN_MAX_CHUNKS)))
 
 
-def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B, scratch=None) -> None:
+def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B, scratch=None, *,
+                 pdl: bool = False) -> None:
     """Fill sorted_P and block_expert_B (preallocated, see module docstring) from ids_N.
 
     ids_N: int32 [N] contiguous, on the GPU. No host sync; capturable in a CUDA graph.
     scratch: int32 [>= num_chunks * E_PAD] for the multi-kernel schedule's chunk histograms
         (allocated if None).
+    pdl: launch with programmatic dependent launch (moeflow/kernels/pdl.py; the caller checked pdl_for).
     """
     import torch
 
@@ -238,6 +305,14 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     e_pad = _next_pow2(num_experts + 1)
     # Registers for the [BLOCKS, E_PAD] and [SUB, E_PAD] matrices: keep ~32 ints a thread.
     warps = 4 if e_pad <= 256 else 8
+    if n <= ALIGN_SMALL_MAX:
+        # decode: no histogram over E, one [NP, NP] comparison (moe_align_small_kernel)
+        np_ = max(16, _next_pow2(n))
+        warps, bb_elems = ALIGN_SMALL_LAUNCH.get(np_, (8, 8192))
+        moe_align_small_kernel[(1,)](ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
+                                     BLOCK_M=block_m, NP=np_, FB=1024, BB=max(16, bb_elems // np_),
+                                     num_warps=warps, PDL=pdl, launch_pdl=pdl)
+        return
     if n <= ALIGN_FUSED_MAX:
         # decode: a histogram as wide as the pairs (a few buckets, few compiles); the sorted
         # placement sorts all pairs at once, so only where they fit one chunk
@@ -245,7 +320,7 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
         moe_align_fused_kernel[(1,)](
             ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
-            SORTED=_sorted_scatter() and chunk >= n, num_warps=warps,
+            SORTED=_sorted_scatter() and chunk >= n, num_warps=warps, PDL=pdl, launch_pdl=pdl,
         )
         return
     chunk = align_chunk(n)
@@ -254,8 +329,9 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
         counts = torch.empty(num_chunks * e_pad, dtype=torch.int32, device=ids_N.device)
     else:
         counts = scratch[: num_chunks * e_pad]
-    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4)
+    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4,
+                                          PDL=pdl, launch_pdl=pdl)
     moe_align_place_kernel[(num_chunks,)](ids_N, counts, sorted_P, block_expert_B, n, num_experts, num_chunks,
                                           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB,
                                           BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=_sorted_scatter(),
-                                          num_warps=warps)
+                                          num_warps=warps, PDL=pdl, launch_pdl=pdl)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .launch import fast_kernel
+from .pdl import pdl_trigger, pdl_wait
 
 ACT_SILU = 0
 ACT_GELU_TANH = 1
@@ -146,8 +147,14 @@ def moe_gate_up_kernel(
     ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
-    """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] for the block's rows and BN columns of I."""
+    """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] for the block's rows and BN columns of I.
+
+    PDL (moeflow/kernels/pdl.py: OFF, EARLY, AT_EXIT): waits for the alignment, then (EARLY) lets the
+    down GEMM start."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
@@ -175,9 +182,14 @@ def moe_down_kernel(
     stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
     HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over I-range [s*kps, (s+1)*kps), kps =
-    k_tiles_per_split * BK (a multiple of BK the compiler can see, so the loads stay 16-byte wide)."""
+    k_tiles_per_split * BK (a multiple of BK the compiler can see, so the loads stay 16-byte wide).
+
+    PDL as moe_gate_up_kernel (waits for gate_up)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     s = tl.program_id(1)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -221,11 +233,14 @@ def moe_down_kernel(
 def moe_combine_kernel(
     y_ptr, w_ptr, ids_ptr, out_ptr, H, E, stride_ys, stride_yn, stride_ot,
     K: tl.constexpr, SPLIT: tl.constexpr, HAS_W: tl.constexpr, BLOCK_H: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (T, cdiv(H, BLOCK_H)). out[t] = sum_k w[t,k] * sum_s y[s, t*K+k], slot order, f32.
 
     A pair whose id is outside [0, E) was never computed: its row becomes NaN.
     """
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = offs_h < H

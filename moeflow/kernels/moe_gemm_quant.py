@@ -59,6 +59,7 @@ import triton.language as tl
 
 from .launch import fast_kernel
 from .moe_gemm import _activate, _tile_ids
+from .pdl import pdl_trigger, pdl_wait
 
 # A jit function reads module globals only as constexpr.
 FP8_MAX = tl.constexpr(448.0)
@@ -202,11 +203,13 @@ def _fp8_quant_groups(v, AXIS: tl.constexpr):
 @fast_kernel
 @triton.jit(do_not_specialize=["M"])
 def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_s,
-                          G: tl.constexpr, GPP: tl.constexpr):
+                          G: tl.constexpr, GPP: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (M, cdiv(cdiv(H, G), GPP)): xq [M, H] float8e4nv and xs [M, cdiv(H, G)] f32 of x [M, H].
 
     Each program quantizes GPP groups of one row (the activations of gate_up's input).
     """
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     r = tl.program_id(0).to(tl.int64)
     offs_g = tl.program_id(1) * GPP + tl.arange(0, GPP)
     offs_h = offs_g[:, None] * G + tl.arange(0, G)[None, :]
@@ -228,6 +231,7 @@ def moe_gate_up_fp8_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(I, BN),). aq_PI / as_PG for the block's rows and BN columns of I.
 
@@ -238,6 +242,8 @@ def moe_gate_up_fp8_kernel(
     stores the f32 activation into act_PI [P, I] and fp8_quant_rows_kernel quantizes it after:
     the same f32 values through the same _fp8_quant_groups, so the same bits.
     """
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
@@ -312,9 +318,12 @@ def moe_down_fp8_kernel(
     stride_ys, stride_yn,
     HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over the K tiles
     [s * k_tiles_per_split, (s + 1) * k_tiles_per_split) of I; BLOCK_K == G."""
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     s_id = tl.program_id(1)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -371,6 +380,7 @@ def moe_gate_up_w4_kernel(
     EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] (x's dtype) for the block's rows, BN columns of I.
 
@@ -379,6 +389,8 @@ def moe_gate_up_w4_kernel(
     2j is gate j, 2j + 1 up j: one [2BN, BK] tile, accumulator split into even / odd columns.
     NVFP4 (never interleaved): s2[e, 0] multiplies gate's sums, s2[e, 1] up's.
     """
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
@@ -474,9 +486,12 @@ def moe_down_w4_kernel(
     FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] = act_PI[p] @ W_d[e] over the I-range
     of split s (k_tiles_per_split * BK wide); packed down [E, H, I/2], scales [E, H, I/G]."""
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     pid = tl.program_id(0)
     s_id = tl.program_id(1)
     num_n = tl.cdiv(H, BLOCK_N)
@@ -639,12 +654,15 @@ def moe_gate_up_w4_gemv_kernel(
     stride_be, stride_an, limit, alpha,
     FMT: tl.constexpr, G: tl.constexpr, ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (N, cdiv(I, BN)). act_NI[n, j] (x's dtype) for pair n, BN columns of I; expert ids_N[n],
     input row x[n // top_k]. A pair whose id is outside [0, E) is skipped (the combine turns its
     token's row to NaN). Packed gate_up [E, 2I, H/2] (unit stride along H/2, rows 4-byte aligned),
     scales [E, 2I, H/G]; interleaved (gpt-oss): out row 2j is gate j, 2j + 1 up j (one [2BN] row
     block); NVFP4: s2[e, 0] / s2[e, 1] scale gate / up sums (as moe_gate_up_w4_kernel)."""
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     n = tl.program_id(0)
     pid_n = tl.program_id(1)
     e = tl.load(ids_ptr + n)
@@ -692,10 +710,13 @@ def moe_down_w4_gemv_kernel(
     stride_yn,
     FMT: tl.constexpr, G: tl.constexpr, HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ASM: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     """Grid (N, cdiv(H, BN)). y_NH[n, h] (y's dtype) = act_NI[n] @ W_d[ids_N[n]] (* s2) (+ b_d) for
     BN rows h of the packed down [E, H, I/2] (unit stride along I/2, rows 4-byte aligned; scales
     [E, H, I/G]); pairs with an id outside [0, E) skipped."""
+    pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
+    pdl_trigger(PDL)
     n = tl.program_id(0)
     pid_h = tl.program_id(1)
     e = tl.load(ids_ptr + n)

@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from .moe_gemm import _activate, _tile_ids
+from .pdl import pdl_trigger, pdl_wait
 
 
 @triton.jit
@@ -77,12 +78,16 @@ def moe_gate_up_tma_kernel(
     stride_xt, stride_ap, limit, alpha,
     ACT: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm.moe_gate_up_kernel.
 
     wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
+    PDL as moe_gemm.moe_gate_up_kernel.
     """
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
             _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
@@ -116,12 +121,16 @@ def moe_down_tma_kernel(
     num_pairs, H, I, num_m, num_tiles, stride_yn,
     PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm.moe_down_kernel with one split.
 
     ad: TensorDescriptor over act_PI [P, I], block [BM, BK]; wd: over down viewed [E * H, I],
     block [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
+    PDL as moe_gemm.moe_gate_up_kernel.
     """
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
             _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
