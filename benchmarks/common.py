@@ -58,23 +58,32 @@ def time_cpu(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3) -> fl
 _FLUSH: dict[str, torch.Tensor] = {}
 
 
-def flush_l2() -> None:
-    """Write 256 MB so the next kernel reads its weights from HBM, not L2."""
+def flush_l2(kind: str = "write") -> None:
+    """Evict L2 so the next kernel reads its weights from HBM: "write" (the standard of
+    shared/spec/benchmarks.md) writes 256 MB, which leaves L2 full of dirty lines that the next
+    kernel's reads must write back first; "read" reads 256 MB (clean lines, like the previous
+    layer's weights in a real decode step): benchmarks/diag_flush.py measures the difference."""
     buf = _FLUSH.get("buf")
     if buf is None:
         buf = _FLUSH["buf"] = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
-    buf.zero_()
+    if kind == "write":
+        buf.zero_()
+    elif kind == "read":
+        torch.amax(buf, dim=0, out=_FLUSH.setdefault("sink", torch.empty((), device="cuda")))
+    else:
+        raise ValueError(f"flush kind {kind!r}: expected 'write' or 'read'")
 
 
-def time_cuda(fn: Callable[[], object], *, reps: int = 20, warmup: int = 5, flush: bool = True) -> float:
-    """Median seconds of fn() by CUDA events, L2 flushed before each timed call when `flush`."""
+def time_cuda(fn: Callable[[], object], *, reps: int = 20, warmup: int = 5, flush: bool | str = True) -> float:
+    """Median seconds of fn() by CUDA events, L2 flushed before each timed call when `flush`
+    (True: the standard "write" flush; or a flush_l2 kind)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         if flush:
-            flush_l2()
+            flush_l2("write" if flush is True else flush)
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         fn()
@@ -84,7 +93,7 @@ def time_cuda(fn: Callable[[], object], *, reps: int = 20, warmup: int = 5, flus
     return statistics.median(times)
 
 
-def time_cuda_graph(fn: Callable[[], object], *, reps: int = 20, flush: bool = True) -> float:
+def time_cuda_graph(fn: Callable[[], object], *, reps: int = 20, flush: bool | str = True) -> float:
     """Median seconds of one replay of a CUDA graph holding fn() (captured after a warm-up on a side stream)."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())

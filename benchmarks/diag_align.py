@@ -24,27 +24,42 @@ from benchmarks.common import env_info, time_cuda, time_cuda_graph, write_json  
 
 # (label, E, K, T): the standard shapes' expert counts at decode and prefill sizes.
 CASES = [
-    ("qwen3 T=1", 128, 8, 1), ("qwen3 T=64", 128, 8, 64), ("qwen3 T=256", 128, 8, 256),
+    ("qwen3 T=1", 128, 8, 1), ("qwen3 T=2", 128, 8, 2), ("qwen3 T=4", 128, 8, 4), ("qwen3 T=8", 128, 8, 8),
+    ("gpt-oss T=1", 128, 4, 1), ("gpt-oss T=16", 128, 4, 16), ("deepseek T=1", 256, 8, 1),
+    ("deepseek T=8", 256, 8, 8), ("qwen3 T=64", 128, 8, 64), ("qwen3 T=256", 128, 8, 256),
     ("gpt-oss T=512", 128, 4, 512), ("qwen3 T=512", 128, 8, 512), ("qwen3 T=2048", 128, 8, 2048),
     ("qwen3 T=8192", 128, 8, 8192), ("mixtral T=2048", 8, 2, 2048), ("mixtral T=8192", 8, 2, 8192),
     ("deepseek T=512", 256, 8, 512), ("deepseek T=2048", 256, 8, 2048), ("ds-v4.1 T=8192", 384, 6, 8192),
 ]
 BLOCK_M = 64
+# Small-kernel launches tried at decode sizes: name -> ALIGN_SMALL_LAUNCH ({NP: (warps, BB elements)}).
+SMALL_KNOBS = {"small w4 bb2k": {16: (4, 2048), 32: (4, 2048), 64: (4, 2048)},
+               "small w8 bb2k": {16: (4, 2048), 32: (8, 2048), 64: (8, 2048)},
+               "small w4 bb8k": {16: (4, 8192), 32: (4, 8192), 64: (4, 8192)},
+               "small w8 bb8k": {16: (8, 8192), 32: (8, 8192), 64: (8, 8192)},
+               "small w2 bb2k": {16: (2, 2048), 32: (2, 2048), 64: (4, 2048)}}
 
 
 def _variants():
-    """(name, fused_max, chunk, sub, max_chunks, sorted) for every schedule tried; the first is today's default."""
+    """(name, small_max, fused_max, chunk, sub, max_chunks, sorted) for every schedule tried; the first is today's
+    default. Every other variant turns the small-N kernel off (small_max 0), so at decode sizes they time the
+    histogram kernels it replaced."""
     import moeflow.kernels.moe_align as A
 
-    out = [("default", A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)]
+    out = [("default", A.ALIGN_SMALL_MAX, A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS,
+            A.ALIGN_SORTED),
+           # the schedule before the small-N kernel: what default replaced at N <= ALIGN_SMALL_MAX
+           ("no-small", 0, A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)]
+    out += [(name, A.ALIGN_SMALL_MAX, A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)
+            for name in SMALL_KNOBS]
     for fused_max in (0, 1 << 30):
         # chunk swept at SUB 32, SUB swept at chunk 1024 (a full grid compiles ~3x as many kernels)
         for chunk, sub in [(c, 32) for c in (128, 256, 512, 1024, 2048)] + [(256, 16), (256, 64)]:
             # the chunk exactly (no cap on the chunk count), serial one-hot steps
-            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", fused_max, chunk, sub, 1 << 30,
+            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} s{sub}", 0, fused_max, chunk, sub, 1 << 30,
                         False))
         for chunk in (128, 256, 512, 1024, 2048):  # placed by one sort per chunk
-            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} sort", fused_max, chunk, 32, 1 << 30, True))
+            out.append((f"{'multi' if fused_max == 0 else 'one'} c{chunk} sort", 0, fused_max, chunk, 32, 1 << 30, True))
     return out
 
 
@@ -52,27 +67,38 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--json", default=None)
     ap.add_argument("--reps", type=int, default=50)
+    ap.add_argument("--cases", default=None, help="comma list of case labels to run (default: all)")
     args = ap.parse_args(argv)
     import moeflow.kernels.moe_align as A
 
-    saved = (A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)
+    small_saved = A.ALIGN_SMALL_LAUNCH
+    saved = (A.ALIGN_SMALL_MAX, A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED)
     rows = []
     g = torch.Generator(device="cuda").manual_seed(0)
     print("GPU us from CUDA graph replays (L2 flushed); 'eager' adds the host's launch gaps")
     print(f"{'case':18} {'N':>7} {'default us':>10} {'best variant':>18} {'best us':>8} {'one-prog best':>14} "
           f"{'multi best':>11}  match")
+    wanted = None if args.cases is None else {c.strip() for c in args.cases.split(",")}
     for label, E, K, T in CASES:
+        if wanted is not None and label not in wanted:
+            continue
         ids_N = torch.rand(T, E, device="cuda", generator=g).topk(K, dim=-1).indices.to(torch.int32).reshape(-1)
         n = ids_N.numel()
         max_blocks = -(-n // BLOCK_M) + min(n, E)
         ref = None
         times = {}
         all_match = True
-        for name, fused_max, chunk, sub, max_chunks, sorted_ in _variants():
+        for name, small_max, fused_max, chunk, sub, max_chunks, sorted_ in _variants():
+            small_n = n <= saved[0]  # the module's ALIGN_SMALL_MAX (variants change it below)
+            if (small_n and name not in ("default", "no-small") and name not in SMALL_KNOBS) or (
+                    not small_n and name in SMALL_KNOBS):
+                continue  # decode sizes: the small kernel's knobs and what it replaced, no schedule grid
+            A.ALIGN_SMALL_LAUNCH = SMALL_KNOBS.get(name, small_saved)
             if name.startswith("one") and n > 4096:
                 # one program over 16k+ pairs took 1-5 ms (2026-12-03), and its histogram is as wide
                 # as the pairs since the launcher's change: not a candidate, not compiled
                 continue
+            A.ALIGN_SMALL_MAX = small_max
             A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS = fused_max, chunk, sub, max_chunks
             A.ALIGN_SORTED = sorted_
             sorted_P = torch.empty(max_blocks * BLOCK_M, dtype=torch.int32, device="cuda")
@@ -96,7 +122,8 @@ def main(argv=None) -> int:
             # GPU time from a CUDA graph replay: eager events would time the host's launch gaps
             times[name] = time_cuda_graph(step, reps=args.reps) * 1e6
             times[name + " eager"] = time_cuda(step, reps=10, warmup=2) * 1e6
-        A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED = saved
+        A.ALIGN_SMALL_MAX, A.ALIGN_FUSED_MAX, A.ALIGN_CHUNK, A.ALIGN_SUB, A.ALIGN_MAX_CHUNKS, A.ALIGN_SORTED = saved
+        A.ALIGN_SMALL_LAUNCH = small_saved
         graph = {k: v for k, v in times.items() if not k.endswith(" eager")}
         best = min(graph, key=graph.get)
         one = min((v for k, v in graph.items() if k.startswith("one")), default=float("nan"))

@@ -100,7 +100,7 @@ def fp8_stage_report(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: E
     align_launch(ids_N, plan.E, tcfg.block_m, plan.sorted_P, plan.block_expert_B)
     tq._launch_gate_up(plan, x, K, w, cfg)
     tq._launch_down(plan, w)
-    tq._launch_combine(plan.y_SNH, wts_N, ids_N, plan.out_TH, K, plan.E)
+    tq.combine_launch(plan.y_SNH, wts_N, ids_N, plan.out_TH, K, plan.E)
     if dev.type == "cuda":
         torch.cuda.synchronize()
     sorted_P = plan.sorted_P.long()
