@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import json
+import os
 import platform
 import statistics
 import time
@@ -40,6 +41,8 @@ def env_info() -> dict[str, str]:
             info[mod] = __import__(mod).__version__
         except ImportError:
             info[mod] = "not installed"
+    # kernel switches set for the run (MOEFLOW_PDL, MOEFLOW_TMA, ...): a row is only comparable with its own
+    info["moeflow_env"] = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEFLOW_"))
     return info
 
 
