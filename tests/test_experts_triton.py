@@ -149,6 +149,71 @@ def test_supports_refuses_without_cuda():
     assert "CUDA" in why or "triton" in why
 
 
+def check_token_refusals(impl, x, ids, wts, w, cfg):
+    """The forward_tokens refusals of moeflow.experts.base.check_tokens, through `impl`.
+
+    x [T, H] in a dtype `impl` runs, ids int [T, K >= 2], wts float [T, K]: each bad variant raises
+    the error type naming its argument; the shape and dtype checks come before the impl's own x
+    check (a wrong-dtype x with bad ids names ids_TK); T = 0 or K = 0 gives zeros, no launch.
+    tests/test_experts_triton_quant.py runs it through TritonQuantExperts (both impls share
+    the checks). Ids or weights on another device than x: GPU only, not checked here.
+    """
+    (T, H), K = x.shape, ids.shape[1]
+    with pytest.raises(ValueError, match=rf"x_TH: shape \({T}, 8\), expected \(T, H={H}\)"):
+        impl.forward_tokens(x[:, :8], ids, wts, w, cfg)
+    with pytest.raises(ValueError, match=r"x_TH: shape \(\), expected"):
+        impl.forward_tokens(x.tolist(), ids, wts, w, cfg)
+    with pytest.raises(ValueError, match=r"x_TH: shape"):
+        impl.forward_tokens(x[0], ids, wts, w, cfg)
+    with pytest.raises(ValueError, match=rf"ids_TK: shape \({T - 1}, {K}\), expected \(T={T}, K\)"):
+        impl.forward_tokens(x, ids[:-1], wts, w, cfg)
+    with pytest.raises(ValueError, match=r"ids_TK: shape \(\), expected"):
+        impl.forward_tokens(x, ids.tolist(), wts, w, cfg)
+    with pytest.raises(TypeError, match="ids_TK: dtype torch.float32, expected an integer dtype"):
+        impl.forward_tokens(x, ids.float(), wts, w, cfg)
+    with pytest.raises(TypeError, match="ids_TK: dtype torch.bool, expected an integer dtype"):
+        impl.forward_tokens(x, ids.bool(), wts, w, cfg)
+    with pytest.raises(ValueError, match=rf"weights_TK: shape \({T}, 1\), expected \({T}, {K}\)"):
+        impl.forward_tokens(x, ids, wts[:, :1], w, cfg)
+    with pytest.raises(ValueError, match=r"weights_TK: shape \(\), expected"):
+        impl.forward_tokens(x, ids, wts.tolist(), w, cfg)
+    with pytest.raises(TypeError, match="weights_TK: dtype torch.int32, expected a floating dtype"):
+        impl.forward_tokens(x, ids, wts.to(torch.int32), w, cfg)
+    with pytest.raises(TypeError, match="weights_TK: dtype torch.bool, expected a floating dtype"):
+        impl.forward_tokens(x, ids, wts > 0, w, cfg)
+    bad_x = x.to(torch.float64)  # a dtype neither impl runs: refused by the impl's x check, which comes later
+    with pytest.raises(ValueError, match="ids_TK: shape"):
+        impl.forward_tokens(bad_x, ids[:-1], wts, w, cfg)
+    with pytest.raises(TypeError, match="weights_TK: dtype"):
+        impl.forward_tokens(bad_x, ids, wts.to(torch.int32), w, cfg)
+    with pytest.raises(TypeError, match="x_TH: dtype"):
+        impl.forward_tokens(bad_x, ids, wts, w, cfg)
+    out = impl.forward_tokens(x[:0], ids[:0], wts[:0], w, cfg)
+    assert out.shape == (0, H) and out.dtype == x.dtype
+    out = impl.forward_tokens(x, ids[:, :0].to(torch.int64), wts[:, :0], w, cfg)
+    assert out.shape == (T, H) and out.dtype == x.dtype and not out.any()
+
+
+def test_check_tokens_and_flat_pairs():
+    from moeflow.experts.base import check_token_devices, check_tokens, flat_pairs
+
+    x, ids, wts = torch.zeros(3, 16), torch.tensor([[0, 1], [2, 3], [1, 0]]), torch.rand(3, 2, dtype=torch.float64)
+    assert check_tokens(x, ids, wts, 16) == (3, 2)
+    assert check_tokens(x[:0], ids[:0], wts[:0], 16) == (0, 2)
+    check_token_devices(x, ids, wts)
+    with pytest.raises(ValueError, match=r"x_TH: shape \(3, 16\), expected \(T, H=8\)"):
+        check_tokens(x, ids, wts, 8)
+    ids_N, wts_N = flat_pairs(ids, wts)  # int64 -> int32; weights keep their dtype
+    assert ids_N.dtype == torch.int32 and ids_N.is_contiguous() and ids_N.tolist() == [0, 1, 2, 3, 1, 0]
+    assert wts_N.dtype == torch.float64 and wts_N.is_contiguous() and torch.equal(wts_N, wts.reshape(-1))
+    ids_KT = ids.t().contiguous().to(torch.int32)  # [K, T]: its transpose is a strided [T, K] view
+    ids_N, wts_N = flat_pairs(ids_KT.t(), wts.t().contiguous().t())
+    assert ids_N.is_contiguous() and ids_N.tolist() == [0, 1, 2, 3, 1, 0]
+    assert wts_N.is_contiguous() and torch.equal(wts_N, wts.reshape(-1))
+    ids_N, wts_N = flat_pairs(ids[:0], wts[:0])
+    assert ids_N.shape == (0,) and ids_N.dtype == torch.int32 and wts_N.shape == (0,)
+
+
 def test_forward_refuses_bad_inputs():
     from moeflow.experts.triton import TritonExperts
 
@@ -159,15 +224,8 @@ def test_forward_refuses_bad_inputs():
             impl.forward_tokens(torch.zeros(3, 16), torch.zeros(3, 2, dtype=torch.int32), torch.ones(3, 2), w, cfg)
         return
     x, ids, wts = make_tokens(3, 16, 4, 2, torch.float32, "cpu")
-    with pytest.raises(ValueError, match="x_TH"):
-        impl.forward_tokens(x[:, :8], ids, wts, w, cfg)
-    with pytest.raises(ValueError, match="ids_TK"):
-        impl.forward_tokens(x, ids[:2], wts, w, cfg)
-    with pytest.raises(TypeError, match="ids_TK"):
-        impl.forward_tokens(x, ids.float(), wts, w, cfg)
-    with pytest.raises(ValueError, match="weights_TK"):
-        impl.forward_tokens(x, ids, wts[:, :1], w, cfg)
-    with pytest.raises(TypeError, match="x_TH"):
+    check_token_refusals(impl, x, ids, wts, w, cfg)
+    with pytest.raises(TypeError, match="x_TH: dtype"):
         impl.forward_tokens(x.half(), ids, wts, w, cfg)
     with pytest.raises(ValueError, match="stride"):
         impl.forward_tokens(torch.zeros(16, 3).t(), ids, wts, w, cfg)

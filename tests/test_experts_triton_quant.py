@@ -215,6 +215,31 @@ def test_supports_refuses_without_cuda_or_triton():
         TritonQuantExperts(fp8=True).forward_tokens(x, ids, wts, wq, cfg)
 
 
+def test_forward_refuses_bad_inputs():
+    """forward_tokens' refusals (moeflow.experts.base.check_tokens), as TritonExperts' in
+    tests/test_experts_triton.py, then this impl's own x check (bf16 / fp16, unit stride)."""
+    from test_experts_triton import check_token_refusals
+
+    from moeflow.experts.triton_quant import TritonQuantExperts
+
+    cfg, wq = make_quant_case("mxfp4", 4, 64, 64, 2, "silu")
+    impl = TritonQuantExperts(allow_cpu=True)
+    x, ids, wts = make_tokens(3, 64, 4, 2, torch.bfloat16, "cpu")
+    if not HAS_TRITON:
+        with pytest.raises(ValueError, match="triton"):
+            impl.forward_tokens(x, ids, wts, wq, cfg)
+        return
+    check_token_refusals(impl, x, ids, wts, wq, cfg)
+    out = impl.forward_tokens(x[:0].half(), ids[:0], wts[:0], wq, cfg)
+    assert out.shape == (0, 64) and out.dtype == torch.float16
+    with pytest.raises(TypeError, match="x_TH: dtype torch.float32, expected bfloat16 or float16"):
+        impl.forward_tokens(x.float(), ids, wts, wq, cfg)
+    with pytest.raises(ValueError, match="x_TH: stride"):
+        impl.forward_tokens(torch.zeros(64, 3, dtype=torch.bfloat16).t(), ids, wts, wq, cfg)
+    with pytest.raises(ValueError, match="plain weights"):  # _check_common runs first
+        impl.forward_tokens(x[:, :8], ids, wts, wq.dequantize(torch.bfloat16), cfg)
+
+
 def test_tile_rules():
     from moeflow.experts.triton_quant import check_tile_config, quant_tile_config
     from moeflow.tuning import GemmTile, MoETileConfig

@@ -1,7 +1,8 @@
 """The experts-implementation interface and the helpers its implementations share.
 
 Legend: N (token, slot) rows, H hidden size, I intermediate size per expert,
-E experts held by the ExpertWeights at hand (a subset under expert parallelism).
+E experts held by the ExpertWeights at hand (a subset under expert parallelism),
+T tokens and K slots per token (forward_tokens: N = T*K, pair n = t*K + k).
 
 An implementation is an object with:
     name: str
@@ -73,6 +74,53 @@ def check_pairs(x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights, co
         if lo < 0 or hi >= w.num_experts:
             bad = lo if lo < 0 else hi
             raise ValueError(f"expert_N: id {bad} outside [0, {w.num_experts}) (zero experts are never sent here)")
+
+
+def check_tokens(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor,
+                 hidden_size: int) -> tuple[int, int]:
+    """(T, K) of a `forward_tokens` call; raise ValueError/TypeError naming the argument it refuses.
+
+    Args:
+        x_TH: [T, H=hidden_size] (a non-tensor or another shape: ValueError).
+        ids_TK: [T, K], any integer dtype (float or bool: TypeError).
+        weights_TK: [T, K], any floating dtype (integer or bool: TypeError).
+
+    Shapes and dtypes only. x's dtype, device and strides against the experts are each impl's
+    own check, and ids/weights against x's device are `check_token_devices`' (the triton impls
+    run their x check between the two, so each refusal names the argument it always has).
+    """
+    if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != hidden_size:
+        raise ValueError(f"x_TH: shape {tuple(getattr(x_TH, 'shape', ()))}, expected (T, H={hidden_size})")
+    T = int(x_TH.shape[0])
+    if not isinstance(ids_TK, torch.Tensor) or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
+        raise ValueError(f"ids_TK: shape {tuple(getattr(ids_TK, 'shape', ()))}, expected (T={T}, K)")
+    if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
+        raise TypeError(f"ids_TK: dtype {ids_TK.dtype}, expected an integer dtype")
+    K = int(ids_TK.shape[1])
+    if not isinstance(weights_TK, torch.Tensor) or tuple(weights_TK.shape) != (T, K):
+        raise ValueError(f"weights_TK: shape {tuple(getattr(weights_TK, 'shape', ()))}, expected ({T}, {K})")
+    if not weights_TK.dtype.is_floating_point:
+        raise TypeError(f"weights_TK: dtype {weights_TK.dtype}, expected a floating dtype")
+    return T, K
+
+
+def check_token_devices(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> None:
+    """Raise ValueError naming ids_TK or weights_TK (in that order) when it is not on x_TH's device."""
+    for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
+        if t.device != x_TH.device:
+            raise ValueError(f"{name}: on {t.device}, expected x_TH's device {x_TH.device}")
+
+
+def flat_pairs(ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids_N int32 [N], wts_N [N] in weights_TK's dtype), both contiguous, pair n = t*K + k.
+
+    ids_TK: integer [T, K]; weights_TK: floating [T, K] (as `check_tokens` accepts). No host
+    sync (a copy only where the dtype or the strides need one), so a CUDA graph may capture it.
+    """
+    ids_N = ids_TK.reshape(-1)
+    if ids_N.dtype != torch.int32:
+        ids_N = ids_N.to(torch.int32)
+    return ids_N.contiguous(), weights_TK.reshape(-1).contiguous()
 
 
 def gate_up_one(x_MH: torch.Tensor, w: ExpertWeights, e: int, *, bias: bool = True) -> torch.Tensor:

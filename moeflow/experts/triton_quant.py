@@ -66,7 +66,7 @@ import torch
 from .._triton import INTERPRETED, triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import GemmTile, MoETileConfig
-from .base import tiling_experts
+from .base import check_token_devices, check_tokens, flat_pairs, tiling_experts
 from .triton import _ACT_CODES, combine_launch
 
 _FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
@@ -356,34 +356,18 @@ class TritonQuantExperts:
             config: the layer's MoEConfig.
         """
         self._check_common(w, config)
-        if not isinstance(x_TH, torch.Tensor) or x_TH.dim() != 2 or x_TH.shape[1] != w.hidden_size:
-            raise ValueError(f"x_TH: shape {tuple(getattr(x_TH, 'shape', ()))}, expected (T, H={w.hidden_size})")
-        T = int(x_TH.shape[0])
-        if not isinstance(ids_TK, torch.Tensor) or ids_TK.dim() != 2 or ids_TK.shape[0] != T:
-            raise ValueError(f"ids_TK: shape {tuple(getattr(ids_TK, 'shape', ()))}, expected (T={T}, K)")
-        if ids_TK.dtype.is_floating_point or ids_TK.dtype == torch.bool:
-            raise TypeError(f"ids_TK: dtype {ids_TK.dtype}, expected an integer dtype")
-        K = int(ids_TK.shape[1])
-        if not isinstance(weights_TK, torch.Tensor) or tuple(weights_TK.shape) != (T, K):
-            raise ValueError(f"weights_TK: shape {tuple(getattr(weights_TK, 'shape', ()))}, expected ({T}, {K})")
-        if not weights_TK.dtype.is_floating_point:
-            raise TypeError(f"weights_TK: dtype {weights_TK.dtype}, expected a floating dtype")
+        T, K = check_tokens(x_TH, ids_TK, weights_TK, w.hidden_size)
         self._check_x(x_TH, w, "x_TH")
-        for name, t in (("ids_TK", ids_TK), ("weights_TK", weights_TK)):
-            if t.device != x_TH.device:
-                raise ValueError(f"{name}: on {t.device}, expected x_TH's device {x_TH.device}")
+        check_token_devices(x_TH, ids_TK, weights_TK)
         if T == 0 or K == 0:
             return torch.zeros_like(x_TH)
-        ids_N = ids_TK.reshape(-1)
-        if ids_N.dtype != torch.int32:
-            ids_N = ids_N.to(torch.int32)
-        wts_N = weights_TK.reshape(-1).contiguous()
+        ids_N, wts_N = flat_pairs(ids_TK, weights_TK)
         on_input = bool(getattr(config.router, "weight_on_input", False))
         if self.uses_gemv(w, T * K):
-            return _run_gemv(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, weight_on_input=on_input,
+            return _run_gemv(x_TH, ids_N, wts_N, T, K, w, config, weight_on_input=on_input,
                              combine_weights=not on_input)
         cfg = self.tile_config_for(w, K, T)
-        return _run(x_TH, ids_N.contiguous(), wts_N, T, K, w, config, cfg,
+        return _run(x_TH, ids_N, wts_N, T, K, w, config, cfg,
                     weight_on_input=on_input, combine_weights=not on_input)
 
     def forward_pairs(self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights,
