@@ -12,6 +12,9 @@ on the same bf16 weights and inputs:
     hf_eager / hf_batched_mm / hf_grouped_mm
                    the transformers experts module of the family (MixtralExperts, GptOssExperts)
                    with config._experts_implementation set, sharing our weight tensors
+    vllm           (--vllm) vLLM 0.33's Triton fused MoE kernel with its H200 tile tables
+                   (benchmarks/peers/vllm_fused_moe.py: what it runs, and its stand-ins), eager and
+                   graph; vs_vllm = its graph time / ours (issue 16 item 3)
     torch_gmm      two torch grouped GEMMs (+ activation) on tokens already permuted by expert:
                    the best a user gets from plain PyTorch (no routing, permutation or combine)
 Every implementation is checked against an fp32 reference (rel-L2 <= 2e-2) before it is timed;
@@ -166,6 +169,48 @@ def rel_l2(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+def vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T) -> None:
+    """The vLLM 0.33 fused-MoE peer (benchmarks/peers/vllm_fused_moe.py) at this point: its eager
+    row through `add` (checked against the fp32 reference there), then its CUDA-graph row; both
+    appended to `rows` with the config vLLM would pick (`vllm_config`, `vllm_config_source`)."""
+    try:
+        peer = _vllm_peer(spec, w)
+    except ValueError as e:
+        rows.append(dict(base, impl="vllm", mode="eager", status=f"skipped: {e}"))
+        return
+    config, source = peer.config(T)
+
+    def fn():
+        return peer(x, ids, wts)
+
+    add("vllm", "eager", fn, fn)
+    eager = rows[-1]
+    eager.update(vllm_config=config, vllm_config_source=source)
+    if eager["status"] != "ok" or timers.get("graph") is None:
+        return
+    row = dict(base, impl="vllm", mode="graph", vllm_config=config, vllm_config_source=source)
+    try:
+        t = timers["graph"](fn)
+        row.update(time_s=t, roof_frac=base["floor_s"] / t, status="ok (checked eager)")
+    except Exception as e:
+        row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
+    rows.append(row)
+
+
+_VLLM_PEERS: dict = {}
+
+
+def _vllm_peer(spec, w):
+    """One VllmFusedMoE per weights (its vLLM-layout copy is made once per shape)."""
+    key = (spec["name"], id(w))
+    if key not in _VLLM_PEERS:
+        from benchmarks.peers.vllm_fused_moe import VllmFusedMoE
+
+        _VLLM_PEERS.clear()  # one shape's copy at a time (deepseek-v3's is 22 GB)
+        _VLLM_PEERS[key] = VllmFusedMoE(w, spec["activation"], spec.get("limit"))
+    return _VLLM_PEERS[key]
+
+
 # --------------------------------------------------------------------------- one (shape, T, routing)
 def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
     from moeflow.experts.triton import TritonExperts
@@ -232,6 +277,8 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             for r in rows:
                 if r["impl"] == "moeflow_bi":
                     r["bi_bitwise_vs_T1"] = bool(same)
+    if args.vllm:
+        vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T)
     for hf_impl in args.hf_impls:
         if hf_impl == "batched_mm" and T * K * 3 * H * I * w.dtype.itemsize > BATCHED_MM_MAX_BYTES:
             rows.append(dict(base, impl=f"hf_{hf_impl}", mode="eager",
@@ -284,7 +331,8 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["bi_bitwise"] = r["bi_bitwise_vs_T1"]
         key = {("moeflow", "eager"): "ours_us", ("moeflow", "graph"): "ours_graph_us",
                ("moeflow_bi", "eager"): "bi_us", ("moeflow_bi", "graph"): "bi_graph_us",
-               ("moeflow_4l", "eager"): "old_us", ("moeflow_4l", "graph"): "old_graph_us"}.get((r["impl"], r["mode"]))
+               ("moeflow_4l", "eager"): "old_us", ("moeflow_4l", "graph"): "old_graph_us",
+               ("vllm", "eager"): "vllm_us", ("vllm", "graph"): "vllm_graph_us"}.get((r["impl"], r["mode"]))
         if key:
             s[key] = us
         elif r["impl"] == "torch_gmm":
@@ -304,6 +352,11 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["vs_hf"] = s["best_hf_us"] / s["ours_us"]
             if "ours_graph_us" in s:
                 s["vs_hf_graph"] = s["best_hf_us"] / s["ours_graph_us"]
+        for mine, peer in (("ours_graph_us", "vllm_graph_us"), ("ours_us", "vllm_us")):
+            if mine in s and peer in s:  # graph to graph where both replayed
+                s["vs_vllm"] = s[peer] / s[mine]
+                s["vllm_roof_frac"] = s["floor_us"] / s[peer]
+                break
         for mine, bi in (("ours_graph_us", "bi_graph_us"), ("ours_us", "bi_us")):
             if mine in s and bi in s:
                 s["bi_cost"] = s[bi] / s[mine] - 1.0
@@ -315,7 +368,7 @@ def summarize(rows: list[dict]) -> list[dict]:
 
 SUMMARY_COLUMNS = ["shape", "routing", "T", "path", "floor", "floor_us", "ours_us", "ours_graph_us", "roof_frac",
                    "old_us", "old_graph_us", "old_roof_frac", "speedup_vs_old",
-                   "bi_graph_us", "bi_cost", "bi_bitwise", "best_hf", "best_hf_us", "vs_hf", "vs_hf_graph", "torch_gmm_us",
+                   "bi_graph_us", "bi_cost", "bi_bitwise", "vllm_graph_us", "vllm_roof_frac", "vs_vllm", "best_hf", "best_hf_us", "vs_hf", "vs_hf_graph", "torch_gmm_us",
                    "notes"]
 
 
@@ -333,6 +386,8 @@ def main(argv=None) -> int:
     ap.add_argument("--decode-max-pairs", type=int, default=None,
                     help="TritonExperts(decode_max_pairs=...) for `moeflow` (default: the library default)")
     ap.add_argument("--no-gmm", action="store_true", help="skip the torch grouped-GEMM baseline")
+    ap.add_argument("--vllm", action="store_true",
+                    help="also run vLLM 0.33's Triton fused MoE (benchmarks/peers/vllm_fused_moe.py), eager and graph")
     ap.add_argument("--out-dir", default=str(ROOT / "out"))
     ap.add_argument("--tag", default="bench_experts")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop starting new points after this long")
@@ -388,12 +443,14 @@ def main(argv=None) -> int:
                       f"{s['floor_us']:8.1f}us ours {s.get('ours_us', float('nan')):8.1f} graph "
                       f"{s.get('ours_graph_us', float('nan')):8.1f} roof {s.get('roof_frac', float('nan')):.2f} "
                       f"old graph {s.get('old_graph_us', float('nan')):8.1f} roof {s.get('old_roof_frac', float('nan')):.2f} bi {s.get('bi_cost', float('nan')):+.2f} "
+                      f"vllm graph {s.get('vllm_graph_us', float('nan')):8.1f} x{s.get('vs_vllm', float('nan')):.2f} "
                       f"hf {s.get('best_hf', '-')} {s.get('best_hf_us', float('nan')):8.1f} "
                       f"gmm {s.get('torch_gmm_us', float('nan')):8.1f} {s['notes']}", flush=True)
             if stopped:
                 break
         json_path.write_text(json.dumps({"meta": dict(meta, stopped=stopped), "rows": rows}, indent=1))
         del w
+        _VLLM_PEERS.clear()
         gc.collect()
         if dev.type == "cuda":
             torch.cuda.empty_cache()

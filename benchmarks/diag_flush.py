@@ -9,6 +9,15 @@ Here, per buffer size of the decode points (the weight bytes the experts read):
 and the expert pipeline (graph replay) after each flush. Ratios are to the 2 GiB read roof.
 
     PYTHONPATH=. python benchmarks/diag_flush.py --shapes qwen3-30b-a3b,deepseek-v3-fp8 --tokens 1,8
+
+--ncu: no timing; for each point, between cudaProfilerStart / Stop: [write flush, expert step,
+read flush, expert step, write flush, plain read, read flush, plain read] (each step eager, once),
+for Nsight Compute with the caches left alone, so each kernel's DRAM write bytes show the
+flush's write-back it pays:
+
+    ncu --cache-control none --profile-from-start off --metrics \
+        dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
+        python benchmarks/diag_flush.py --ncu --shapes qwen3-30b-a3b --tokens 1
 """
 
 from __future__ import annotations
@@ -35,14 +44,48 @@ def read_time(nbytes: int, flush: str, reps: int) -> float:
     return min(time_cuda(a.sum, reps=reps, flush=flush), time_cuda(b.amax, reps=reps, flush=flush))
 
 
+def ncu_range(args, dev) -> int:
+    """The --ncu mode: one profiled range per point (the order of its kernels is printed)."""
+    from benchmarks.common import flush_l2
+
+    for name in args.shapes.split(","):
+        spec, cfg, w, impl = _shape(name, dev)
+        for T in [int(t) for t in args.tokens.split(",")]:
+            x = torch.randn(T, spec["H"], device=dev, dtype=torch.bfloat16)
+            ids, wts = routing(T, spec["E"], spec["K"], "uniform", dev)
+            nbytes = int(torch.unique(ids).numel()) * w.expert_bytes
+            buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
+            for _ in range(3):  # compile and warm outside the range
+                impl.forward_tokens(x, ids, wts, w, cfg)
+                buf.amax()
+                flush_l2("write")
+                flush_l2("read")
+            torch.cuda.synchronize()
+            print(f"ncu range {name} T={T}: {nbytes / 1e6:.1f} MB of weights; kernels in order: write flush, "
+                  "step, read flush, step, write flush, amax read, read flush, amax read", flush=True)
+            torch.cuda.cudart().cudaProfilerStart()
+            for kind in ("write", "read"):
+                flush_l2(kind)
+                impl.forward_tokens(x, ids, wts, w, cfg)
+            for kind in ("write", "read"):
+                flush_l2(kind)
+                buf.amax()
+            torch.cuda.synchronize()
+            torch.cuda.cudart().cudaProfilerStop()
+    return 0
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="qwen3-30b-a3b,gpt-oss-120b,deepseek-v3-fp8")
     ap.add_argument("--tokens", default="1,8")
     ap.add_argument("--reps", type=int, default=25)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--ncu", action="store_true", help="profile range for ncu --cache-control none (see above)")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
+    if args.ncu:
+        return ncu_range(args, dev)
     roof = hbm_read_roof_bytes_per_s()
     print(f"HBM read roof (2 GiB, no flush) {roof / 1e12:.3f} TB/s")
     print(f"{'point':26} {'MB':>7} {'floor us':>8} | {'read after write-flush':>24} {'read after read-flush':>24} |"

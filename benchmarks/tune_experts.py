@@ -324,7 +324,11 @@ def time_replay(fn, reps: int) -> float:
 
 def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: float, log,
                dtype=torch.bfloat16) -> dict:
-    """{'best': {T: (cfg, t)}, 'bi': (cfg, worst_ratio, ratios), 'tuned': [T]} for one shape."""
+    """{'best': {T: (cfg, t)}, 'bi': (cfg, worst_ratio, ratios), 'tuned': [T], 'ranked': {T: [(t, cfg)]}} for one shape.
+
+    t is the sum of the stages' times, each launched alone after an L2 flush; 'ranked' holds the
+    RANKED best (stage-sum, config) per T for refine_best, which times them whole.
+    """
     from moeflow.experts import triton as mt
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -381,11 +385,13 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
         gus, dns = stage_tiles(GATE_UP, bm, quick), stage_tiles(DOWN, bm, quick)
         return MoETileConfig(block_m=bm, gate_up=gus[gi], down=with_split(dns[di], s))
 
+    ranked = {}
     for T in tuned:
         cands = [(total(T, *c), c) for c in combos]
-        cands = [(t, c) for t, c in cands if t is not None]
+        cands = sorted((t, c) for t, c in cands if t is not None)
         if cands:
-            t, c = min(cands)
+            ranked[T] = [(t, to_cfg(*c)) for t, c in cands[:RANKED]]
+            t, c = cands[0]
             best[T] = (to_cfg(*c), t)
             bm, gi, di, sp = c
             parts[T] = {"align": align_t[(T, bm)], "gate_up": gu_t[(T, bm, gi)], "down": dn_t[(T, bm, di, sp)],
@@ -425,7 +431,51 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
             ratios.append(t / best[T][1])
         if table and (family is None or max(ratios) < family[1]):
             family = (table, max(ratios), ratios)
-    return {"best": best, "bi": bi, "family": family, "tuned": tuned, "parts": parts}
+    return {"best": best, "bi": bi, "family": family, "tuned": tuned, "parts": parts, "ranked": ranked}
+
+
+# How many of the stage-sum ranking's best configs per T refine_best times as whole steps.
+RANKED = 6
+
+
+def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16) -> dict:
+    """{T: (cfg, replay s, stage-sum choice's replay s)}: the fastest of `ranked[T]` timed whole.
+
+    The stage sums time each kernel alone after its own L2 flush, launched eagerly. A step runs
+    them back to back from a CUDA graph, the kernels overlapping at their edges (programmatic
+    dependent launch) and down finding part of its input in L2. Near a tie the two orders differ:
+    on the H200 (2026-12-04) ds-v4.1-like T = 1 had kept BM = 64 tiles (97.2 us a step) by its
+    stage sums. So the few best by stage sum are timed again as whole steps (`time_replay`, as
+    bench_experts and patch_model run them) and the fastest is kept.
+    """
+    from moeflow.experts import triton as mt
+
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
+    K, E, H = spec["K"], spec["E"], spec["H"]
+    tma = tma_wanted(dev)
+    out = {}
+    for T, cands in sorted(ranked.items()):
+        ids, wts = routing(T, E, K, "uniform", dev)
+        x = torch.randn(T, H, device=dev, dtype=dtype)
+        ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
+        timed = []
+        for _, c in cands:
+            try:
+                t = time_replay(lambda c=c, x=x, i=ids_N, g=wts_N, T=T: mt._run(
+                    x, i, g, T, K, w, cfg, c, weight_on_input=False, combine_weights=True, tma=tma), reps)
+            except Exception as e:  # a candidate that cannot be captured: keep the others
+                log(f"  refine T={T} {c.to_dict()}: {type(e).__name__} {str(e)[:120]}")
+                continue
+            timed.append((t, c))
+        if not timed:
+            continue
+        first = timed[0][0] if timed[0][1] == cands[0][1] else None
+        t, c = min(timed, key=lambda tc: tc[0])
+        out[T] = (c, t, first)
+        if first is not None and c != cands[0][1]:
+            log(f"  refine T={T}: whole step {t * 1e6:.1f} us against {first * 1e6:.1f} us for the stage-sum choice")
+    return out
 
 
 # Decode-path tiles (moeflow/kernels/moe_decode.py): gate_up one program per (pair, BN columns),
@@ -551,6 +601,9 @@ def main(argv=None) -> int:
                     help="a tuning directory (e.g. moeflow/tuning) whose table for each shape this run updates: "
                          "entries of the T tuned now replace its entries, the others are kept, and so are its "
                          "batch-invariant entries (a partial run cannot judge one tile set for every T)")
+    ap.add_argument("--no-refine", dest="refine", action="store_false",
+                    help=f"keep the best stage sum per T instead of timing the {RANKED} best as whole steps "
+                         "(CUDA-graph replay) and keeping the fastest")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, fp32, under TRITON_INTERPRET=1 (set it yourself): checks the script, times nothing real")
     args = ap.parse_args(argv)
@@ -597,6 +650,12 @@ def main(argv=None) -> int:
             log(f"  batch-invariant family (worst ratio {fam[1]:.3f}): {'kept' if ok else 'DROPPED'}: {fam_note}")
             if not ok:
                 fam = None
+        if args.refine:
+            refined = refine_best(spec, res["ranked"], args.reps, log, dtype=dtype)
+            res["refined"] = {str(T): {"cfg": c.to_dict(), "replay_us": t * 1e6,
+                                       "stage_sum_choice_replay_us": None if t0_ is None else t0_ * 1e6}
+                              for T, (c, t, t0_) in refined.items()}
+            res["best"] = {T: (refined[T][0], refined[T][1]) if T in refined else ct for T, ct in res["best"].items()}
         decode = {}
         if args.decode:
             dec = tune_decode(spec, tokens, {T: c for T, (c, _) in res["best"].items()}, args.reps, args.quick,
@@ -614,6 +673,7 @@ def main(argv=None) -> int:
         report["shapes"][n] = {
             "file": path.name,
             "best": {str(T): {"cfg": c.to_dict(), "us": t * 1e6,
+                              # the stages of the stage-sum choice (refine_best may have kept another)
                               "parts_us": {k: v * 1e6 for k, v in res["parts"][T].items()}}
                      for T, (c, t) in res["best"].items()},
             "batch_invariant": None if res["bi"] is None else
@@ -622,6 +682,7 @@ def main(argv=None) -> int:
             {"kept": fam is not None, "note": fam_note, "worst_ratio": res["family"][1],
              "ratios": res["family"][2], "by_T": {str(T): c.to_dict() for T, c in res["family"][0].items()}},
             "decode": res.get("decode"),
+            "refined": res.get("refined"),
         }
         for T, (c, t) in res["best"].items():
             gp, dp = (",P" if c.gate_up.persistent else ""), (",P" if c.down.persistent else "")

@@ -209,6 +209,7 @@ def test_list_and_names():
     assert {"router_fused_t1_deepseek_v3", "router_fused_t1_qwen3", "router_2k_t8_deepseek_v3",
             "experts_decode_t1_qwen3", "experts_decode_t8_qwen3", "experts_decode_t1_gpt_oss",
             "experts_prefill_t8192_qwen3", "experts_prefill_t8192_mixtral", "experts_prefill_t2048_deepseek_v3",
+            "experts_prefill_t8192_deepseek_v3", "experts_prefill_t2048_mixtral",
             "experts_prefill_t512_gpt_oss", "experts_prefill_t8192_gpt_oss", "experts_prefill_t8192_ds_v41",
             "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3"} == set(names)

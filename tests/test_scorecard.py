@@ -38,3 +38,24 @@ def test_scorecard_items(tmp_path, capsys):
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
     assert "4 of 6 points met." in out and "| 5 | mixtral-8x7b | uniform | 8192 | +20.0% | <= 10% | **no** |" in out
+
+
+def test_scorecard_measured_peer(tmp_path, capsys):
+    """Rows of the vLLM peer measured in the run (bench_experts --vllm): item 3 at every point, x >= 1.0."""
+    rows = [
+        _row("qwen3-30b-a3b", 8, "moeflow", "graph", 100e-6, 0.90, "hbm"),
+        _row("qwen3-30b-a3b", 8, "vllm", "graph", 120e-6, 0.75, "hbm"),
+        _row("qwen3-30b-a3b", 8, "vllm", "eager", 200e-6, 0.45, "hbm"),  # the graph row wins
+        _row("gpt-oss-120b", 512, "moeflow", "graph", 100e-6, 0.90, "hbm"),
+        _row("gpt-oss-120b", 512, "vllm", "graph", 95e-6, 0.95, "hbm"),
+    ]
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({"rows": rows}))
+    got = [r for r in scorecard(load_points([str(path)])) if r["item"] == 3 and r["fmt"] == "ratio"]
+    by = {(r["shape"], r["T"]): r for r in got}
+    assert set(by) == {("qwen3-30b-a3b", 8), ("gpt-oss-120b", 512)}
+    assert by[("qwen3-30b-a3b", 8)]["met"] and abs(by[("qwen3-30b-a3b", 8)]["ours"] - 1.2) < 1e-9
+    assert not by[("gpt-oss-120b", 512)]["met"] and abs(by[("gpt-oss-120b", 512)]["ours"] - 0.95) < 1e-9
+    assert main([str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "| 3 | gpt-oss-120b | uniform | 512 | 0.950x | >= 1.00x | **no** |" in out
