@@ -510,6 +510,7 @@ class VllmFusedMoE:
         ids_N = ids_TK.reshape(-1).to(torch.int32).contiguous()
         if T * K * 4 <= self.E:  # vLLM's naive_block_assignment: one block per pair
             return None, ids_N, torch.full((1,), T * K * BM, dtype=torch.int32, device=ids_TK.device)
+        from moeflow.experts.triton import max_blocks_for
         from moeflow.kernels.moe_align import align_launch
 
         n = T * K
@@ -519,7 +520,7 @@ class VllmFusedMoE:
             max_padded = min(n * BM, max_padded)
         blocks = triton.cdiv(max_padded, BM)
         # our align kernel's own bound, which fits inside vLLM's (and is what it needs to place every pair)
-        ours = triton.cdiv(n, BM) + min(n, self.E)
+        ours = max_blocks_for(n, self.E, BM)
         blocks = max(blocks, ours)
         sorted_ids = torch.empty(blocks * BM, dtype=torch.int32, device=ids_TK.device)
         expert_ids = torch.empty(blocks, dtype=torch.int32, device=ids_TK.device)

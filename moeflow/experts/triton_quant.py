@@ -67,7 +67,7 @@ from .._triton import INTERPRETED, triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import GemmTile, MoETileConfig
 from .base import check_token_devices, check_tokens, flat_pairs, tiling_experts
-from .triton import _ACT_CODES, combine_launch
+from .triton import _ACT_CODES, combine_launch, max_blocks_for
 
 _FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -121,11 +121,6 @@ def _gemv_weights_ok(w: ExpertWeights) -> bool:
 @lru_cache(maxsize=8)
 def _sm_count(index: int) -> int:
     return torch.cuda.get_device_properties(index).multi_processor_count
-
-
-def max_blocks_for(num_pairs: int, num_experts: int, block_m: int) -> int:
-    """Upper bound on BM-row blocks after padding each expert to BM (no host sync needed)."""
-    return -(-num_pairs // block_m) + min(num_pairs, num_experts)
 
 
 def quant_group(spec) -> int:
