@@ -142,7 +142,7 @@ def _point(c, shape: str, T: int, gate_up, down, key) -> list[dict]:
 
             def fn(out=out, ad=ad, wd=wd, o=o, tiles=tiles, bn=bn, bk=bk, progs=progs):
                 moe_down_tma_kernel[(progs or tiles,)](
-                    ad, wd, out, sorted_P, be_B, N, H, I, nb, tiles, out.stride(0),
+                    ad, ad, wd, out, sorted_P, be_B, N, H, I, nb, tiles, out.stride(0),
                     PERSISTENT=o["pers"], WS=o["ws"], NUM_PROGS=progs or 1, BLOCK_M=BM, BLOCK_N=bn,
                     BLOCK_K=bk, GROUP_M=o["gm"], num_warps=o["warps"], num_stages=o["stages"])
             ref = y_base

@@ -17,6 +17,7 @@ same bf16 weights and inputs.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import os
@@ -256,6 +257,21 @@ def test_tile_config_validation():
     old = {"block_m": 16, "gate_up": {"block_n": 64, "block_k": 64, "num_warps": 4, "num_stages": 3, "group_m": 8,
                                       "split_k": 1}, "down": {"block_n": 64, "block_k": 64}}
     assert not MoETileConfig.from_dict(old).gate_up.persistent
+    assert "half_tail" not in p.to_dict()  # tables without half tiles keep their exact keys
+
+
+def test_half_tail_config():
+    """MoETileConfig.half_tail: round trip (absent from the dict when off), refusals by name."""
+    t = GemmTile(block_n=64, block_k=64)
+    c = MoETileConfig(block_m=128, gate_up=t, down=t, half_tail=True)
+    assert c.to_dict()["half_tail"] is True
+    assert MoETileConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="half_tail with block_m=16"):
+        MoETileConfig(block_m=16, gate_up=t, down=t, half_tail=True)
+    with pytest.raises(ValueError, match="half_tail=1"):
+        MoETileConfig(block_m=64, gate_up=t, down=t, half_tail=1)
+    with pytest.raises(ValueError, match="expected keys"):
+        MoETileConfig.from_dict({**c.to_dict(), "tail": None})
 
 
 def test_nearest_key_log_scale():
@@ -487,7 +503,7 @@ def test_pdl_modes(monkeypatch):
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["align", "families", "modes", "decode", "tma"])
+@pytest.mark.parametrize("check", ["align", "families", "modes", "decode", "tma", "half"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -643,6 +659,40 @@ def check_families(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                 print(f"{name:13s} {str(dtype):14s} T={T:4d} tiles={'tiny' if tiles else 'auto'} rel-L2 {err:.2e}")
 
 
+def _half_tiles(split: int, persistent: bool = False) -> MoETileConfig:
+    """BM 32 tiles with 16-row half tiles (MoETileConfig.half_tail) at tiny sizes."""
+    t = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=persistent)
+    d = GemmTile(block_n=16, block_k=16, num_stages=1, split_k=split, persistent=persistent)
+    return MoETileConfig(block_m=32, gate_up=t, down=d, half_tail=True)
+
+
+def check_half_tiles(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
+    """Half tiles (MoETileConfig.half_tail) for every family: against the fp32 reference and the same
+    tiles without them; pointer kernels with split-K partials, TMA kernels in their persistent form,
+    forward_pairs. T = 9 puts every block's pairs in its first half, T = 70 mixes both kinds."""
+    from moeflow.experts.triton import TritonExperts
+
+    cpu = device == "cpu"
+    for name, E, H, I, K, act, layout, il, bias, woi in FAMILIES:
+        cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device, weight_on_input=woi)
+        for tiles, tma in ((_half_tiles(2), False), (_half_tiles(1, persistent=True), True)):
+            impl = TritonExperts(allow_cpu=cpu, tile_config=tiles, tma=tma)
+            base = TritonExperts(allow_cpu=cpu, tile_config=dataclasses.replace(tiles, half_tail=False), tma=tma)
+            for T in T_list:
+                x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+                out = impl.forward_tokens(x, ids, wts, w, cfg)
+                ref, y_ref = reference_tokens(x, ids, wts, w, cfg)
+                err, err_b = rel_l2(out, ref), rel_l2(out, base.forward_tokens(x, ids, wts, w, cfg))
+                where = f"{name} T={T} split={tiles.down.split_k} pers={tiles.gate_up.persistent} tma={tma}"
+                assert err <= tol, f"{where}: half tiles rel-L2 {err:.3e} > {tol}"
+                assert err_b <= tol, f"{where}: half vs full tiles rel-L2 {err_b:.3e} > {tol}"
+                if not woi:
+                    yp = impl.forward_pairs(x.repeat_interleave(K, 0), ids.reshape(-1), w, cfg)
+                    errp = rel_l2(yp, y_ref.reshape(T * K, H))
+                    assert errp <= tol, f"{where}: forward_pairs rel-L2 {errp:.3e} > {tol}"
+                print(f"{where}: rel-L2 {err:.2e}, vs full tiles {err_b:.1e}")
+
+
 def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
     """TritonExperts(tma=True) on the linear families: TMA weight tiles really taken (both GEMMs at
     split 1), against the reference, and against tma=False."""
@@ -777,6 +827,8 @@ def _interp_main(check: str) -> None:
         check_decode("cpu", torch.float16, (1, 4), 3e-3)
     elif check == "tma":
         check_tma("cpu", torch.float32, (1, 37), 1e-5)
+    elif check == "half":
+        check_half_tiles("cpu", torch.float32, (9, 70), 1e-5)
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")
@@ -935,6 +987,50 @@ def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
                              what=f"{name}: persistent TMA vs pointer tiles")
     finally:
         TE._launch_gate_up_tma = orig
+
+
+@gpu
+@needs_gpu
+@pytest.mark.parametrize("shape", GPU_SHAPES[:4], ids=[s[0] for s in GPU_SHAPES[:4]])
+def test_gpu_half_tiles(shape):
+    """Half tiles (BM 128 blocks with <= 64 pairs run as 64-row tiles) on the GPU: each row's bits equal
+    those of the same tiles without them (a row's dot products take the same K steps whatever the
+    tile's height), pointer and TMA kernels, persistent or not; against the fp32 reference; replayed
+    from a CUDA graph with new routing."""
+    import moeflow.experts.triton as TE
+    from moeflow.testing import assert_bitwise_equal
+
+    name, E, H, I, K, act, layout, il, bias, woi = shape
+    cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=torch.bfloat16, device="cuda", weight_on_input=woi)
+    for pers in (False, True):
+        t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=pers)
+        full = MoETileConfig(block_m=128, gate_up=t, down=t)
+        half = dataclasses.replace(full, half_tail=True)
+        for T in (300, 2500):
+            x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
+            got = TE.TritonExperts(tile_config=half).forward_tokens(x, ids, wts, w, cfg)
+            ref, _ = reference_tokens(x, ids, wts, w, cfg)
+            _check_bf16(got, ref, f"{name} T={T} persistent={pers} half tiles")
+            want = TE.TritonExperts(tile_config=full).forward_tokens(x, ids, wts, w, cfg)
+            assert_bitwise_equal(got, want, what=f"{name} T={T} persistent={pers}: half tiles vs full tiles")
+    impl = TE.TritonExperts(tile_config=half)
+    x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
+    eager = impl.forward_tokens(x, ids, wts, w, cfg)
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        impl.forward_tokens(x, ids, wts, w, cfg)
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = impl.forward_tokens(x, ids, wts, w, cfg)
+    x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10)
+    want2 = impl.forward_tokens(x2, ids2, wts2, w, cfg)
+    for _ in range(2):
+        x.copy_(x2), ids.copy_(ids2), wts.copy_(wts2)
+        g.replay()
+        assert_bitwise_equal(out, want2, what=f"{name}: half tiles replayed from a CUDA graph, new routing")
+    assert not torch.equal(eager, want2)
 
 
 @gpu

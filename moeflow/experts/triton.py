@@ -31,6 +31,9 @@ interleaved, no bias, BN | I and BK | H (down: BN | H, BK | I, one split). Same 
 order: bit for bit the pointer kernels' output (benchmarks/diag_tma_gemm.py, H200: 1.01-1.31x
 faster at prefill).
 
+Half tiles (MoETileConfig.half_tail, from the tuned tables): a block_m-row block holding at most
+block_m / 2 pairs (an expert's last) runs its GEMMs as a block_m / 2-row tile; same bits.
+
 Modes:
     TritonExperts()                       tiles chosen per T (fastest).
     TritonExperts(batch_invariant=True)   a token's output bits do not depend on the batch: no
@@ -392,7 +395,7 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
     t = plan.cfg.gate_up
     if (plan.tma and w.layout == "linear" and not w.interleaved
             and _tma_weights_ok(t, w.gate_up, plan.I, plan.H, w.gate_up_bias)
-            and _launch_tma("gate_up", (plan.cfg.block_m, t), lambda: _launch_gate_up_tma(
+            and _launch_tma("gate_up", (plan.cfg.block_m, plan.cfg.half_tail, t), lambda: _launch_gate_up_tma(
                 plan, x_rows, top_k_div, w, config))):
         return
     (gse, gsn, gsk), _ = _weight_strides(w)
@@ -407,7 +410,8 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         ACT=_ACT_CODES[config.activation], INTERLEAVED=bool(w.interleaved), HAS_BIAS=has_bias,
         EVEN_K=plan.H % t.block_k == 0, PRECISION=plan.precision,
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+        HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm,
+        launch_pdl=plan.pdl,
     )
 
 
@@ -418,7 +422,7 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     t = plan.cfg.down
     if (plan.tma and w.layout == "linear" and t.split_k == 1
             and _tma_weights_ok(t, w.down, plan.H, plan.I, w.down_bias)
-            and _launch_tma("down", (plan.cfg.block_m, t), lambda: _launch_down_tma(plan, w))):
+            and _launch_tma("down", (plan.cfg.block_m, plan.cfg.half_tail, t), lambda: _launch_down_tma(plan, w))):
         return
     _, (dse, dsn, dsk) = _weight_strides(w)
     has_bias = w.down_bias is not None
@@ -433,7 +437,8 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
         plan.act_PI.stride(0), dse, dsn, dsk, db.stride(0), y.stride(0), y.stride(1),
         HAS_BIAS=has_bias, EVEN_K=plan.I % t.block_k == 0, PRECISION=plan.precision,
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+        HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm,
+        launch_pdl=plan.pdl,
     )
 
 
@@ -466,7 +471,8 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
         float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
         ACT=_ACT_CODES[config.activation], PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs),
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
-        num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+        HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm,
+        launch_pdl=plan.pdl,
     )
 
 
@@ -479,14 +485,17 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
     t = plan.cfg.down
     E, H, I, BM = w.down.shape[0], plan.H, plan.I, plan.cfg.block_m
     ad = TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
+    # the half tiles' activation rows (HALF_TAIL): the same buffer in [BM/2, BK] boxes
+    ad_half = (TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM // 2, t.block_k])
+               if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
     progs = _programs(plan, t)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
-        ad, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
+        ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
         PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs), BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages,
+        GROUP_M=t.group_m, HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages,
         PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
     )
 

@@ -214,6 +214,9 @@ def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, 
 
 def check_tile_config(cfg: MoETileConfig, fmt: str, group: int) -> None:
     """ValueError naming the field when a tile configuration cannot run format `fmt` (group G)."""
+    if cfg.half_tail:
+        raise ValueError("MoETileConfig.half_tail=True: the quantized kernels have no half-height tiles "
+                         "(expected False)")
     if fmt == "fp8_block":
         for name, t in (("gate_up", cfg.gate_up), ("down", cfg.down)):
             if t.block_k != group:

@@ -137,32 +137,22 @@ def gate_up_rows(
     return _activate(g, u, limit, alpha, ACT)
 
 
-@fast_kernel
-@triton.jit(do_not_specialize=["num_pairs", "num_m"])
-def moe_gate_up_kernel(
-    x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
-    num_pairs, H, I, top_k, num_m,
-    stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_ap,
-    limit, alpha,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
-    PRECISION: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
-):
-    """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] for the block's rows and BN columns of I.
+@triton.jit
+def half_padded(sorted_ptr, p0, num_pairs, BLOCK_M: tl.constexpr):
+    """Whether the block starting at padded position p0 can run as a BM/2-row tile (HALF_TAIL): its
+    rows from BM/2 on are all padding. A block's pairs fill its first rows (moe_align.py), so
+    its row BM/2 being a padding slot (pair index >= num_pairs) says it. Callers test HALF_TAIL
+    first, as a constexpr, so kernels without half tiles never compile the half path."""
+    return tl.load(sorted_ptr + p0 + BLOCK_M // 2) >= num_pairs
 
-    PDL (moeflow/kernels/pdl.py: OFF, EARLY, AT_EXIT): waits for the alignment, then (EARLY) lets the
-    down GEMM start."""
-    pdl_wait(PDL)
-    pdl_trigger(PDL)
-    pid = tl.program_id(0)
-    num_n = tl.cdiv(I, BLOCK_N)
-    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
-    if e < 0:
-        return
-    e = e.to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+
+@triton.jit
+def _gate_up_block(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k,
+                   stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_ap, limit, alpha,
+                   ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+                   PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """act_PI rows p0 .. p0+BM-1 (expert e), columns pid_n*BN.. of I."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_p)
     row_ok = pair < num_pairs
     tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
@@ -175,30 +165,50 @@ def moe_gate_up_kernel(
 
 
 @fast_kernel
-@triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
-def moe_down_kernel(
-    act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
-    num_pairs, H, I, num_m, k_tiles_per_split,
-    stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
-    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+@triton.jit(do_not_specialize=["num_pairs", "num_m"])
+def moe_gate_up_kernel(
+    x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, top_k, num_m,
+    stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_ap,
+    limit, alpha,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
-    """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over I-range [s*kps, (s+1)*kps), kps =
-    k_tiles_per_split * BK (a multiple of BK the compiler can see, so the loads stay 16-byte wide).
+    """Grid (max_blocks * cdiv(I, BN),). act_PI[p, j] for the block's rows and BN columns of I.
 
-    PDL as moe_gate_up_kernel (waits for gate_up)."""
+    HALF_TAIL: a block whose second half is padding computes BM/2 rows (half_padded); the same
+    K steps per row, so the same bits.
+    PDL (moeflow/kernels/pdl.py: OFF, EARLY, AT_EXIT): waits for the alignment, then (EARLY) lets the
+    down GEMM start."""
     pdl_wait(PDL)
     pdl_trigger(PDL)
     pid = tl.program_id(0)
-    s = tl.program_id(1)
-    num_n = tl.cdiv(H, BLOCK_N)
+    num_n = tl.cdiv(I, BLOCK_N)
     pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e < 0:
         return
     e = e.to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    p0 = pid_m * BLOCK_M
+    if HALF_TAIL and half_padded(sorted_ptr, p0, num_pairs, BLOCK_M):
+        _gate_up_block(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k,
+                       stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_ap, limit, alpha,
+                       ACT, INTERLEAVED, HAS_BIAS, EVEN_K, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+    else:
+        _gate_up_block(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k,
+                       stride_xt, stride_we, stride_wn, stride_wk, stride_be, stride_ap, limit, alpha,
+                       ACT, INTERLEAVED, HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _down_block(act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, e, p0, pid_n, s, num_pairs, H, I, k_tiles_per_split,
+                stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
+                HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """y_SNH[s] of the pairs at rows p0 .. p0+BM-1 (expert e), columns pid_n*BN.. of H."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_p)
     row_ok = pair < num_pairs
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -226,6 +236,41 @@ def moe_down_kernel(
             acc += bias.to(tl.float32)[None, :]
     y_ptrs = y_ptr + s.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+
+
+@fast_kernel
+@triton.jit(do_not_specialize=["num_pairs", "num_m", "k_tiles_per_split"])
+def moe_down_kernel(
+    act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+    num_pairs, H, I, num_m, k_tiles_per_split,
+    stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
+    HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
+):
+    """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over I-range [s*kps, (s+1)*kps), kps =
+    k_tiles_per_split * BK (a multiple of BK the compiler can see, so the loads stay 16-byte wide).
+
+    HALF_TAIL as moe_gate_up_kernel. PDL as moe_gate_up_kernel (waits for gate_up)."""
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    pid = tl.program_id(0)
+    s = tl.program_id(1)
+    num_n = tl.cdiv(H, BLOCK_N)
+    pid_m, pid_n = _tile_ids(pid, num_m, num_n, GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e < 0:
+        return
+    e = e.to(tl.int64)
+    p0 = pid_m * BLOCK_M
+    if HALF_TAIL and half_padded(sorted_ptr, p0, num_pairs, BLOCK_M):
+        _down_block(act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, e, p0, pid_n, s, num_pairs, H, I, k_tiles_per_split,
+                    stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
+                    HAS_BIAS, EVEN_K, PRECISION, BLOCK_M // 2, BLOCK_N, BLOCK_K)
+    else:
+        _down_block(act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, e, p0, pid_n, s, num_pairs, H, I, k_tiles_per_split,
+                    stride_ap, stride_we, stride_wn, stride_wk, stride_be, stride_ys, stride_yn,
+                    HAS_BIAS, EVEN_K, PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
 @fast_kernel

@@ -28,47 +28,53 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_gemm import _activate, _tile_ids
+from .moe_gemm import _activate, _tile_ids, half_padded
 from .pdl import pdl_trigger, pdl_wait
 
 
 @triton.jit
-def _work_tile(tile, num_m, num_cols, block_expert_ptr, sorted_ptr, num_pairs,
-               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
-    """(pid_m, pid_n, expert e (< 0: an empty block), positions offs_p [BM], pairs [BM], row_ok [BM])
-    of work tile `tile` in moe_gemm._tile_ids's grouped order over num_cols columns."""
-    pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(num_cols, BLOCK_N), GROUP_M)
-    e = tl.load(block_expert_ptr + pid_m)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+def _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
+                  limit, alpha, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  BLOCK_K: tl.constexpr, WS_K: tl.constexpr):
+    """act_PI rows p0 .. p0+BM-1 (expert e >= 0), columns pid_n*BN.. of I."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_p)  # sorted_P has all P entries: a load past the used blocks is harmless
-    return pid_m, pid_n, e, offs_p, pair, pair < num_pairs
+    row_ok = pair < num_pairs
+    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_k = tl.arange(0, BLOCK_K)
+    a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
+    row_g = e * (2 * I) + pid_n * BLOCK_N
+    row_u = row_g + I
+    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
+        a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+        wg = wd.load([row_g, k0])
+        wu = wd.load([row_u, k0])
+        g = tl.dot(a, wg.T, g)
+        u = tl.dot(a, wu.T, u)
+    out = _activate(g, u, limit, alpha, ACT)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
+    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None])
 
 
 @triton.jit
 def _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
                   stride_xt, stride_ap, limit, alpha, ACT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  WS_K: tl.constexpr):
-    pid_m, pid_n, e, offs_p, pair, row_ok = _work_tile(tile, num_m, I, block_expert_ptr, sorted_ptr, num_pairs,
-                                                       BLOCK_M, BLOCK_N, GROUP_M)
+                  WS_K: tl.constexpr, HALF_TAIL: tl.constexpr):
+    """Work tile `tile` in moe_gemm._tile_ids's grouped order; an empty block (expert < 0) does nothing."""
+    pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
-        tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-        offs_k = tl.arange(0, BLOCK_K)
-        a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-        row_g = e * (2 * I) + pid_n * BLOCK_N
-        row_u = row_g + I
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
-            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
-            wg = wd.load([row_g, k0])
-            wu = wd.load([row_u, k0])
-            g = tl.dot(a, wg.T, g)
-            u = tl.dot(a, wu.T, u)
-        out = _activate(g, u, limit, alpha, ACT)
-        offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
-        tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None])
+        p0 = pid_m * BLOCK_M
+        if HALF_TAIL and half_padded(sorted_ptr, p0, num_pairs, BLOCK_M):
+            _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
+                          limit, alpha, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, WS_K)
+        else:
+            _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
+                          limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, WS_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
@@ -78,63 +84,82 @@ def moe_gate_up_tma_kernel(
     stride_xt, stride_ap, limit, alpha,
     ACT: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm.moe_gate_up_kernel.
 
     wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
-    PDL as moe_gemm.moe_gate_up_kernel.
+    HALF_TAIL and PDL as moe_gemm.moe_gate_up_kernel.
     """
     pdl_wait(PDL)
     pdl_trigger(PDL)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
             _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
-                          stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False)
+                          stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False,
+                          HALF_TAIL)
     else:
         _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, top_k,
-                      num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS)
+                      num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS,
+                      HALF_TAIL)
 
 
 @triton.jit
-def _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
+def _down_rows(ad, wd, y_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, stride_yn,
+               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS_K: tl.constexpr):
+    """y_NH of the pairs at rows p0 .. p0+BM-1 (expert e >= 0; ad's block is [BM, BK]), columns pid_n*BN.. of H."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    row_w = e * H + pid_n * BLOCK_N
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    for k0 in tl.range(0, I, BLOCK_K, warp_specialize=WS_K):
+        a = ad.load([p0, k0])
+        w = wd.load([row_w, k0])
+        acc = tl.dot(a, w.T, acc)
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+
+
+@triton.jit
+def _down_tile(ad, ad_half, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-               WS_K: tl.constexpr):
-    pid_m, pid_n, e, offs_p, pair, row_ok = _work_tile(tile, num_m, H, block_expert_ptr, sorted_ptr, num_pairs,
-                                                       BLOCK_M, BLOCK_N, GROUP_M)
+               WS_K: tl.constexpr, HALF_TAIL: tl.constexpr):
+    pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
+    e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
-        row_w = e * H + pid_n * BLOCK_N
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for k0 in tl.range(0, I, BLOCK_K, warp_specialize=WS_K):
-            a = ad.load([pid_m * BLOCK_M, k0])
-            w = wd.load([row_w, k0])
-            acc = tl.dot(a, w.T, acc)
-        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+        p0 = pid_m * BLOCK_M
+        if HALF_TAIL and half_padded(sorted_ptr, p0, num_pairs, BLOCK_M):
+            _down_rows(ad_half, wd, y_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, stride_yn,
+                       BLOCK_M // 2, BLOCK_N, BLOCK_K, WS_K)
+        else:
+            _down_rows(ad, wd, y_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, stride_yn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, WS_K)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
 def moe_down_tma_kernel(
-    ad, wd, y_ptr, sorted_ptr, block_expert_ptr,
+    ad, ad_half, wd, y_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, H, I, num_m, num_tiles, stride_yn,
     PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
 ):
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm.moe_down_kernel with one split.
 
-    ad: TensorDescriptor over act_PI [P, I], block [BM, BK]; wd: over down viewed [E * H, I],
-    block [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
-    PDL as moe_gemm.moe_gate_up_kernel.
+    ad: TensorDescriptor over act_PI [P, I], block [BM, BK]; ad_half: the same with block [BM/2, BK]
+    (the HALF_TAIL tiles; pass ad when HALF_TAIL is off); wd: over down viewed [E * H, I], block
+    [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
+    HALF_TAIL and PDL as moe_gemm.moe_gate_up_kernel.
     """
     pdl_wait(PDL)
     pdl_trigger(PDL)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
-            _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False)
+            _down_tile(ad, ad_half, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, HALF_TAIL)
     else:
-        _down_tile(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, num_m,
-                   stride_yn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS)
+        _down_tile(ad, ad_half, wd, y_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, num_m,
+                   stride_yn, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS, HALF_TAIL)

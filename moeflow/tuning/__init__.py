@@ -82,11 +82,18 @@ class GemmTile:
 
 @dataclass(frozen=True, kw_only=True)
 class MoETileConfig:
-    """block_m is shared: the alignment pads each expert's rows to it for both GEMMs."""
+    """block_m is shared: the alignment pads each expert's rows to it for both GEMMs.
+
+    half_tail: a block whose rows from block_m / 2 on are all padding (an expert's last block,
+    holding at most block_m / 2 pairs) runs as a block_m / 2-row tile in the same kernel
+    (moeflow/kernels/moe_gemm.py, HALF_TAIL): less padding computed, the full blocks keep
+    block_m's efficiency, and a row's dot products take the same K steps, so the same bits.
+    """
 
     block_m: int
     gate_up: GemmTile
     down: GemmTile
+    half_tail: bool = False
 
     def __post_init__(self) -> None:
         if self.block_m not in _POW2:
@@ -95,15 +102,26 @@ class MoETileConfig:
             raise ValueError(
                 f"MoETileConfig.gate_up.split_k={self.gate_up.split_k}: expected 1 (the activation needs whole sums)"
             )
+        if not isinstance(self.half_tail, bool):
+            raise ValueError(f"MoETileConfig.half_tail={self.half_tail!r}: expected a bool")
+        if self.half_tail and self.block_m < 32:
+            raise ValueError(f"MoETileConfig.half_tail with block_m={self.block_m}: expected block_m >= 32 "
+                             "(a half tile is a dot of >= 16 rows)")
 
     def to_dict(self) -> dict:
-        return asdict(self)
+        d = {"block_m": self.block_m, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
+        if self.half_tail:  # tables without half tiles keep their exact keys
+            d["half_tail"] = True
+        return d
 
     @classmethod
     def from_dict(cls, d: dict) -> MoETileConfig:
-        if not isinstance(d, dict) or set(d) != {"block_m", "gate_up", "down"}:
-            raise ValueError(f"MoETileConfig: expected keys block_m, gate_up, down; got {d!r}")
-        return cls(block_m=d["block_m"], gate_up=GemmTile(**d["gate_up"]), down=GemmTile(**d["down"]))
+        keys = {"block_m", "gate_up", "down"}
+        if not isinstance(d, dict) or not keys <= set(d) <= keys | {"half_tail"}:
+            raise ValueError(f"MoETileConfig: expected keys block_m, gate_up, down (and optionally half_tail); "
+                             f"got {d!r}")
+        return cls(block_m=d["block_m"], gate_up=GemmTile(**d["gate_up"]), down=GemmTile(**d["down"]),
+                   half_tail=d.get("half_tail", False))
 
 
 @dataclass(frozen=True, kw_only=True)
