@@ -21,9 +21,10 @@ Every implementation is checked against an fp32 reference (rel-L2 <= 2e-2) befor
 a wrong one is reported and not timed. Times are medians of >= 20 CUDA-event timings with L2
 flushed before each (256 MB write) so weights come from HBM.
 
-Roofs measured in the same run: HBM = the faster of two read-only reductions over 2 GiB (bytes
-read / time; the 2 GiB device copy's (read + write) / time is printed beside it as hbm_copy),
-compute = 8192^3 bf16 mm. floor = max(bytes of distinct experts touched + x + out over HBM, 2*3*H*I*T*K
+Roofs measured in the same run: HBM = the fastest read-only stream over 2 GiB, bytes read / time
+(benchmarks.common.hbm_read_roof_detail: torch.sum, torch.amax and benchmarks/stream_read.py's
+kernel; the fastest one's name is recorded as hbm_reader; the 2 GiB device copy's (read + write) /
+time is printed beside it as hbm_copy), compute = 8192^3 bf16 mm. floor = max(bytes of distinct experts touched + x + out over HBM, 2*3*H*I*T*K
 FLOP over compute); roof_frac = floor / time; vs_hf = best HF time / time (both eager, and our
 graph time against the same HF figure).
 
@@ -54,7 +55,7 @@ from benchmarks.common import (  # noqa: E402
     compute_roof_flops,
     env_info,
     format_table,
-    hbm_read_roof_bytes_per_s,
+    hbm_read_roof_detail,
     hbm_roof_bytes_per_s,
     time_cpu,
     time_cuda,
@@ -409,7 +410,7 @@ def main(argv=None) -> int:
         dev, dtype = torch.device("cpu"), torch.float32
         names = ["tiny-silu", "tiny-gptoss"] if args.shapes == "all" else parse_shapes(args.shapes)
         tokens = [t for t in tokens if t <= 64] or [1, 8]
-        roofs = {"hbm": 20e9, "hbm_copy": 20e9, "compute": 200e9}
+        roofs = {"hbm": 20e9, "hbm_reader": "dry run (fixed)", "hbm_copy": 20e9, "compute": 200e9}
         timers = {"eager": lambda fn: time_cpu(fn, reps=max(3, args.reps // 10), warmup=1), "graph": None}
     else:
         if not torch.cuda.is_available():
@@ -417,12 +418,14 @@ def main(argv=None) -> int:
             return 2
         dev, dtype = torch.device("cuda"), torch.bfloat16
         names = parse_shapes(args.shapes)
-        roofs = {"hbm": hbm_read_roof_bytes_per_s(), "hbm_copy": hbm_roof_bytes_per_s(),
+        read = hbm_read_roof_detail()
+        roofs = {"hbm": read["bytes_per_s"], "hbm_reader": read["reader"], "hbm_copy": hbm_roof_bytes_per_s(),
                  "compute": compute_roof_flops()}
         timers = {"eager": lambda fn: time_cuda(fn, reps=args.reps, warmup=3, flush=True),
                   "graph": None if args.no_graph else (lambda fn: time_cuda_graph(fn, reps=args.reps, flush=True))}
     meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: shape_spec(n) for n in names})
-    print(f"roofs: HBM read {roofs['hbm'] / 1e12:.3f} TB/s (copy, read + write: {roofs['hbm_copy'] / 1e12:.3f} TB/s), "
+    print(f"roofs: HBM read {roofs['hbm'] / 1e12:.3f} TB/s ({roofs['hbm_reader']}; copy, read + write: "
+          f"{roofs['hbm_copy'] / 1e12:.3f} TB/s), "
           f"compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
     rows: list[dict] = []
     stopped = None
@@ -460,7 +463,7 @@ def main(argv=None) -> int:
     summary = summarize(rows)
     table = format_table(summary, SUMMARY_COLUMNS)
     head = (f"device {meta['device']}, torch {meta['torch']}, triton {meta['triton']}, transformers "
-            f"{meta['transformers']}; HBM read roof {roofs['hbm'] / 1e12:.3f} TB/s (copy roof "
+            f"{meta['transformers']}; HBM read roof {roofs['hbm'] / 1e12:.3f} TB/s ({roofs['hbm_reader']}; copy roof "
             f"{roofs['hbm_copy'] / 1e12:.3f} TB/s), compute roof "
             f"{roofs['compute'] / 1e12:.1f} TFLOP/s; times in us, median of {args.reps}")
     (out_dir / f"{args.tag}.md").write_text(f"{head}\n\ncommand: `{meta['command']}`\n\n{table}\n")

@@ -23,8 +23,9 @@ Per shape:
                         also against the W8A8 reference (activations quantized per token per 128 as
                         the kernels do, moeflow.quant.formats.quantize_fp8_activations). A point over
                         the check threshold is reported WRONG and not timed.
-Roofs measured in the same run: HBM = the larger of a streaming read (torch.sum of 2 GiB) and
-benchmarks.common's 2 GiB device copy (read + write bytes / time); compute = 8192^3 bf16 mm.
+Roofs measured in the same run: HBM = the larger of the read roof (benchmarks.common.hbm_read_roof_detail:
+the fastest read-only stream over 2 GiB, its reader recorded as hbm_reader) and benchmarks.common's 2 GiB
+device copy (read + write bytes / time); compute = 8192^3 bf16 mm.
 
     PYTHONPATH=. python benchmarks/bench_experts_quant.py --out benchmarks/results/bench_experts_quant_h200.json
     PYTHONPATH=. python benchmarks/bench_experts_quant.py --shapes deepseek-v3 --tokens 1,8 --no-prefill
@@ -51,6 +52,7 @@ from benchmarks.common import (  # noqa: E402
     compute_roof_flops,
     env_info,
     format_table,
+    hbm_read_roof_detail,
     hbm_roof_bytes_per_s,
     time_cpu,
     time_cuda,
@@ -190,14 +192,6 @@ def patch_interpreter_fp8() -> None:
 
     fp_to_fp._moeflow_patched = True
     interp.InterpreterBuilder.create_fp_to_fp = fp_to_fp
-
-
-def hbm_read_roof_bytes_per_s() -> float:
-    """A streaming read: torch.sum over 2 GiB of f32 (every byte read once, one scalar written)."""
-    n = 1 << 29
-    a = torch.ones(n, dtype=torch.float32, device="cuda")
-    t = time_cuda(lambda: a.sum(), reps=10, warmup=2, flush=False)
-    return n * 4 / t
 
 
 # --------------------------------------------------------------------------- one shape
@@ -367,7 +361,7 @@ def main(argv=None) -> int:
         names = ["tiny-fp8", "tiny-mxfp4"] if args.shapes == ap.get_default("shapes") else args.shapes.split(",")
         args.decode = tuple(t for t in args.decode if t <= 8) or (1,)
         args.prefill = tuple(min(t, 64) for t in args.prefill)
-        roofs = {"hbm": 20e9, "hbm_copy": 20e9, "hbm_read": 20e9, "compute": 200e9}
+        roofs = {"hbm": 20e9, "hbm_copy": 20e9, "hbm_read": 20e9, "hbm_reader": "dry run (fixed)", "compute": 200e9}
         timers = {"eager": lambda fn: time_cpu(fn, reps=2, warmup=1), "graph": None}
     else:
         if not torch.cuda.is_available():
@@ -375,8 +369,9 @@ def main(argv=None) -> int:
             return 2
         dev, act_dtype = torch.device("cuda"), torch.bfloat16
         names = [n.strip() for n in args.shapes.split(",") if n.strip()]
-        copy, read = hbm_roof_bytes_per_s(), hbm_read_roof_bytes_per_s()
-        roofs = {"hbm": max(copy, read), "hbm_copy": copy, "hbm_read": read, "compute": compute_roof_flops()}
+        copy, read = hbm_roof_bytes_per_s(), hbm_read_roof_detail()
+        roofs = {"hbm": max(copy, read["bytes_per_s"]), "hbm_copy": copy, "hbm_read": read["bytes_per_s"],
+                 "hbm_reader": read["reader"], "compute": compute_roof_flops()}
         timers = {"eager": lambda fn: time_cuda(fn, reps=args.reps, warmup=3, flush=True),
                   "graph": None if args.no_graph else (lambda fn: time_cuda_graph(fn, reps=args.reps, flush=True))}
     for n in names:
@@ -384,7 +379,7 @@ def main(argv=None) -> int:
             raise SystemExit(f"--shapes: {n!r} unknown, expected some of {tuple(SHAPES)}")
     meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: SHAPES[n] for n in names},
                 check_rel_l2=args.check_rel_l2, reps=args.reps)
-    print(f"roofs: HBM {roofs['hbm'] / 1e12:.3f} TB/s (read {roofs['hbm_read'] / 1e12:.3f}, copy "
+    print(f"roofs: HBM {roofs['hbm'] / 1e12:.3f} TB/s (read {roofs['hbm_read'] / 1e12:.3f} by {roofs['hbm_reader']}, copy "
           f"{roofs['hbm_copy'] / 1e12:.3f}), compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
     rows: list[dict] = []
     out_path = Path(args.out or (ROOT / "out" / "bench_experts_quant_dry.json" if args.dry_run else

@@ -7,6 +7,7 @@ roof_frac = floor / our time, vs_peer = peer time / our time.
 from __future__ import annotations
 
 import datetime as _dt
+import functools
 import json
 import os
 import platform
@@ -96,8 +97,8 @@ def time_cuda(fn: Callable[[], object], *, reps: int = 20, warmup: int = 5, flus
     return statistics.median(times)
 
 
-def time_cuda_graph(fn: Callable[[], object], *, reps: int = 20, flush: bool | str = True) -> float:
-    """Median seconds of one replay of a CUDA graph holding fn() (captured after a warm-up on a side stream)."""
+def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
+    """A CUDA graph holding fn(), captured after three warm-up calls on a side stream."""
     s = torch.cuda.Stream()
     s.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(s):
@@ -107,22 +108,91 @@ def time_cuda_graph(fn: Callable[[], object], *, reps: int = 20, flush: bool | s
     g = torch.cuda.CUDAGraph()
     with torch.cuda.graph(g):
         fn()
-    return time_cuda(g.replay, reps=reps, warmup=3, flush=flush)
+    return g
+
+
+def time_cuda_graph(fn: Callable[[], object], *, reps: int = 20, flush: bool | str = True) -> float:
+    """Median seconds of one replay of a CUDA graph holding fn() (capture_graph)."""
+    return time_cuda(capture_graph(fn).replay, reps=reps, warmup=3, flush=flush)
+
+
+def time_cuda_graphs_interleaved(fns: dict[str, Callable[[], object]], *, rounds: int = 5, reps: int = 3,
+                                 flush: bool | str = True) -> dict[str, float]:
+    """{name: median seconds of one replay} of a CUDA graph per fn, timed round-robin: `rounds` passes
+    over the graphs, `reps` timed replays of each per pass (L2 flushed before each, as time_cuda).
+
+    Why round-robin: compute-bound steps run the GPU at its power limit, and its clocks drift over
+    seconds (H200, 2026-12-04: the same prefill config timed 3-12% apart when timed first and then
+    again after other variants). Timing the variants one after another puts that drift into their
+    ratios; interleaving spreads it over all of them."""
+    graphs = {name: capture_graph(fn) for name, fn in fns.items()}
+    for g in graphs.values():  # one untimed replay each
+        g.replay()
+    torch.cuda.synchronize()
+    times: dict[str, list[float]] = {name: [] for name in graphs}
+    for _ in range(rounds):
+        for name, g in graphs.items():
+            for _ in range(reps):
+                if flush:
+                    flush_l2("write" if flush is True else flush)
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                g.replay()
+                end.record()
+                end.synchronize()
+                times[name].append(start.elapsed_time(end) / 1e3)
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
+def torch_read_bytes_per_s(a: torch.Tensor) -> dict[str, float]:
+    """Bytes / time of torch's two read-only reductions over `a` (CUDA f32, contiguous, even length,
+    far larger than L2: no flush): torch.sum of it as f32 and torch.amax of it as bf16 (another load
+    width and kernel). Keys are the reader names hbm_read_roof_detail reports."""
+    nbytes = a.numel() * 4
+    b = a.view(torch.bfloat16)
+    return {"torch.sum f32": nbytes / time_cuda(a.sum, reps=10, warmup=2, flush=False),
+            "torch.amax bf16": nbytes / time_cuda(b.amax, reps=10, warmup=2, flush=False)}
+
+
+@functools.cache
+def _read_roof(device: int) -> tuple[float, str, tuple[tuple[str, float], ...]]:
+    # Per device, once per process: every caller reads it once before timing (none re-measures),
+    # and the Triton sweep costs seconds (compiles included); frozen so no caller can change it.
+    from moeflow._triton import triton_available
+
+    n = 1 << 29  # f32 elements: 2 GiB
+    a = torch.ones(n, dtype=torch.float32, device="cuda")
+    candidates = torch_read_bytes_per_s(a)
+    if triton_available():  # Triton is a GPU extra: without it the roof is torch's two reductions
+        from benchmarks.stream_read import best_stream_read_bytes_per_s, reader_name
+
+        bps, cfg, _ = best_stream_read_bytes_per_s(a)
+        candidates[reader_name(cfg)] = bps
+    reader = max(candidates, key=candidates.get)
+    return candidates[reader], reader, tuple(candidates.items())
+
+
+def hbm_read_roof_detail() -> dict:
+    """The HBM roof of a weight-streaming kernel and which reader set it (CUDA).
+
+    Read-only streams over one 2 GiB buffer (every byte read once, almost nothing written):
+    torch.sum of it as f32, torch.amax of it as bf16, and, when Triton is installed, the best
+    of a small sweep of benchmarks/stream_read.py's kernel (16-byte loads, persistent grid).
+    The fastest is the roof, so a decode kernel (which only reads weights) stays at roof_frac
+    <= 1 up to timing noise, unlike against a copy's (read + write) / time: torch's reductions
+    alone were beaten by our GEMMs by up to 5% on the H200.
+
+    Returns {"bytes_per_s": float, "reader": the fastest's name ("torch.sum f32", "torch.amax
+    bf16" or "triton stream BLOCK=... warps=... progs_per_sm=... order=... hint=..."),
+    "candidates": {name: bytes_per_s}}. Measured once per process and device, on the current one.
+    """
+    bps, reader, candidates = _read_roof(torch.cuda.current_device())
+    return {"bytes_per_s": bps, "reader": reader, "candidates": dict(candidates)}
 
 
 def hbm_read_roof_bytes_per_s() -> float:
-    """The HBM roof of a weight-streaming kernel: bytes read / time of the fastest read-only stream.
-
-    Two read-only reductions over one 2 GiB buffer (every byte read once, one scalar written):
-    torch.sum over it as f32 and torch.amax over it as bf16 (another load width and kernel).
-    The better of the two is the roof, so a decode kernel (which only reads weights) stays at
-    roof_frac <= 1 up to timing noise, unlike against a copy's (read + write) / time.
-    """
-    n = 1 << 29  # f32 elements: 2 GiB
-    a = torch.ones(n, dtype=torch.float32, device="cuda")
-    b = a.view(torch.bfloat16)
-    t = min(time_cuda(a.sum, reps=10, warmup=2, flush=False), time_cuda(b.amax, reps=10, warmup=2, flush=False))
-    return n * 4 / t
+    """The HBM read roof in bytes / s: hbm_read_roof_detail()["bytes_per_s"] (its reader is in the detail)."""
+    return hbm_read_roof_detail()["bytes_per_s"]
 
 
 def hbm_roof_bytes_per_s() -> float:

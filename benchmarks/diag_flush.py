@@ -44,34 +44,42 @@ def read_time(nbytes: int, flush: str, reps: int) -> float:
     return min(time_cuda(a.sum, reps=reps, flush=flush), time_cuda(b.amax, reps=reps, flush=flush))
 
 
-def ncu_range(args, dev) -> int:
-    """The --ncu mode: one profiled range per point (the order of its kernels is printed)."""
-    from benchmarks.common import flush_l2
-
+def _points(args, dev):
+    """The points of --shapes x --tokens, shape by shape (weights built once per shape), each as
+    (name, spec, cfg, w, impl, T, x [T, H] bf16, ids / wts [T, K] uniform routing, nbytes: weight
+    bytes of the distinct experts the routing touches)."""
     for name in args.shapes.split(","):
         spec, cfg, w, impl = _shape(name, dev)
         for T in [int(t) for t in args.tokens.split(",")]:
             x = torch.randn(T, spec["H"], device=dev, dtype=torch.bfloat16)
             ids, wts = routing(T, spec["E"], spec["K"], "uniform", dev)
             nbytes = int(torch.unique(ids).numel()) * w.expert_bytes
-            buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
-            for _ in range(3):  # compile and warm outside the range
-                impl.forward_tokens(x, ids, wts, w, cfg)
-                buf.amax()
-                flush_l2("write")
-                flush_l2("read")
-            torch.cuda.synchronize()
-            print(f"ncu range {name} T={T}: {nbytes / 1e6:.1f} MB of weights; kernels in order: write flush, "
-                  "step, read flush, step, write flush, amax read, read flush, amax read", flush=True)
-            torch.cuda.cudart().cudaProfilerStart()
-            for kind in ("write", "read"):
-                flush_l2(kind)
-                impl.forward_tokens(x, ids, wts, w, cfg)
-            for kind in ("write", "read"):
-                flush_l2(kind)
-                buf.amax()
-            torch.cuda.synchronize()
-            torch.cuda.cudart().cudaProfilerStop()
+            yield name, spec, cfg, w, impl, T, x, ids, wts, nbytes
+
+
+def ncu_range(args, dev) -> int:
+    """The --ncu mode: one profiled range per point (the order of its kernels is printed)."""
+    from benchmarks.common import flush_l2
+
+    for name, _spec, cfg, w, impl, T, x, ids, wts, nbytes in _points(args, dev):
+        buf = torch.ones(nbytes // 2, dtype=torch.bfloat16, device=dev)
+        for _ in range(3):  # compile and warm outside the range
+            impl.forward_tokens(x, ids, wts, w, cfg)
+            buf.amax()
+            flush_l2("write")
+            flush_l2("read")
+        torch.cuda.synchronize()
+        print(f"ncu range {name} T={T}: {nbytes / 1e6:.1f} MB of weights; kernels in order: write flush, "
+              "step, read flush, step, write flush, amax read, read flush, amax read", flush=True)
+        torch.cuda.cudart().cudaProfilerStart()
+        for kind in ("write", "read"):
+            flush_l2(kind)
+            impl.forward_tokens(x, ids, wts, w, cfg)
+        for kind in ("write", "read"):
+            flush_l2(kind)
+            buf.amax()
+        torch.cuda.synchronize()
+        torch.cuda.cudart().cudaProfilerStop()
     return 0
 
 
@@ -91,26 +99,21 @@ def main(argv=None) -> int:
     print(f"{'point':26} {'MB':>7} {'floor us':>8} | {'read after write-flush':>24} {'read after read-flush':>24} |"
           f" {'experts write-flush':>20} {'experts read-flush':>20}")
     rows = []
-    for name in args.shapes.split(","):
-        spec, cfg, w, impl = _shape(name, dev)
-        for T in [int(t) for t in args.tokens.split(",")]:
-            x = torch.randn(T, spec["H"], device=dev, dtype=torch.bfloat16)
-            ids, wts = routing(T, spec["E"], spec["K"], "uniform", dev)
-            nbytes = int(torch.unique(ids).numel()) * w.expert_bytes
-            floor = nbytes / roof
-            rw, rr = read_time(nbytes, "write", args.reps), read_time(nbytes, "read", args.reps)
+    for name, _spec, cfg, w, impl, T, x, ids, wts, nbytes in _points(args, dev):
+        floor = nbytes / roof
+        rw, rr = read_time(nbytes, "write", args.reps), read_time(nbytes, "read", args.reps)
 
-            def step(x=x, ids=ids, wts=wts, w=w, cfg=cfg, impl=impl):
-                impl.forward_tokens(x, ids, wts, w, cfg)
+        def step(x=x, ids=ids, wts=wts, w=w, cfg=cfg, impl=impl):
+            impl.forward_tokens(x, ids, wts, w, cfg)
 
-            ew = time_cuda_graph(step, reps=args.reps, flush="write")
-            er = time_cuda_graph(step, reps=args.reps, flush="read")
-            row = dict(shape=name, T=T, weight_bytes=nbytes, floor_us=floor * 1e6, read_wflush_us=rw * 1e6,
-                       read_rflush_us=rr * 1e6, experts_wflush_us=ew * 1e6, experts_rflush_us=er * 1e6)
-            rows.append(row)
-            print(f"{name + ' T=' + str(T):26} {nbytes / 1e6:7.1f} {floor * 1e6:8.1f} | "
-                  f"{rw * 1e6:9.1f} us ({floor / rw:.2f} roof) {rr * 1e6:9.1f} us ({floor / rr:.2f} roof) | "
-                  f"{ew * 1e6:8.1f} ({floor / ew:.2f}) {er * 1e6:11.1f} ({floor / er:.2f})")
+        ew = time_cuda_graph(step, reps=args.reps, flush="write")
+        er = time_cuda_graph(step, reps=args.reps, flush="read")
+        row = dict(shape=name, T=T, weight_bytes=nbytes, floor_us=floor * 1e6, read_wflush_us=rw * 1e6,
+                   read_rflush_us=rr * 1e6, experts_wflush_us=ew * 1e6, experts_rflush_us=er * 1e6)
+        rows.append(row)
+        print(f"{name + ' T=' + str(T):26} {nbytes / 1e6:7.1f} {floor * 1e6:8.1f} | "
+              f"{rw * 1e6:9.1f} us ({floor / rw:.2f} roof) {rr * 1e6:9.1f} us ({floor / rr:.2f} roof) | "
+              f"{ew * 1e6:8.1f} ({floor / ew:.2f}) {er * 1e6:11.1f} ({floor / er:.2f})")
     if args.json:
         write_json(args.json, rows, {"env": env_info(), "hbm_read_Bps": roof, "argv": sys.argv})
     return 0
