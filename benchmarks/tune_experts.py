@@ -438,15 +438,48 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
 RANKED = 6
 
 
-def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16) -> dict:
+# Block heights whose candidates refine_best also times with half tiles (MoETileConfig.half_tail):
+# the prefill heights, where an expert's last block is often at most half full.
+HALF_BMS = (64, 128)
+
+
+def with_half(cands: list) -> list:
+    """cands [(stage-sum s, cfg)] plus, after them, each HALF_BMS config with half_tail (the stage sums
+    cannot rank those: they time one block height's kernels over every block)."""
+    return list(cands) + [(t, dataclasses.replace(c, half_tail=True)) for t, c in cands
+                          if c.block_m in HALF_BMS and not c.half_tail]
+
+
+def time_many(fns: dict, reps: int, log) -> dict:
+    """{name: median s of one CUDA-graph replay} of each fn, timed round-robin (benchmarks.common.
+    time_cuda_graphs_interleaved: the GPU's clocks drift under a power cap, so candidates timed one
+    after another are not comparable at prefill); CPU: time_launch each. A fn that raises when run
+    once (a tile the compiler refuses) is logged and left out."""
+    ok = {}
+    for k, fn in fns.items():
+        try:
+            fn()
+        except Exception as e:
+            log(f"  {k}: {type(e).__name__} {str(e)[:120]}")
+            continue
+        ok[k] = fn
+    if not torch.cuda.is_available():
+        return {k: time_launch(fn, reps) for k, fn in ok.items()}
+    from benchmarks.common import time_cuda_graphs_interleaved
+
+    return time_cuda_graphs_interleaved(ok, rounds=max(2, reps // 2), reps=2)
+
+
+def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, half: bool = True) -> dict:
     """{T: (cfg, replay s, stage-sum choice's replay s)}: the fastest of `ranked[T]` timed whole.
 
     The stage sums time each kernel alone after its own L2 flush, launched eagerly. A step runs
     them back to back from a CUDA graph, the kernels overlapping at their edges (programmatic
     dependent launch) and down finding part of its input in L2. Near a tie the two orders differ:
     on the H200 (2026-12-04) ds-v4.1-like T = 1 had kept BM = 64 tiles (97.2 us a step) by its
-    stage sums. So the few best by stage sum are timed again as whole steps (`time_replay`, as
-    bench_experts and patch_model run them) and the fastest is kept.
+    stage sums. So the few best by stage sum are timed again as whole steps (`time_many`, graph
+    replays round-robin) and the fastest is kept. half: also time each BM 64 / 128 candidate with
+    half tiles (`with_half`).
     """
     from moeflow.experts import triton as mt
 
@@ -456,25 +489,22 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16) 
     tma = tma_wanted(dev)
     out = {}
     for T, cands in sorted(ranked.items()):
+        cands = with_half(cands) if half else list(cands)
         ids, wts = routing(T, E, K, "uniform", dev)
         x = torch.randn(T, H, device=dev, dtype=dtype)
         ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
-        timed = []
-        for _, c in cands:
-            try:
-                t = time_replay(lambda c=c, x=x, i=ids_N, g=wts_N, T=T: mt._run(
-                    x, i, g, T, K, w, cfg, c, weight_on_input=False, combine_weights=True, tma=tma), reps)
-            except Exception as e:  # a candidate that cannot be captured: keep the others
-                log(f"  refine T={T} {c.to_dict()}: {type(e).__name__} {str(e)[:120]}")
-                continue
-            timed.append((t, c))
-        if not timed:
+        fns = {i: (lambda c=c, x=x, i_=ids_N, g=wts_N, T=T: mt._run(
+                   x, i_, g, T, K, w, cfg, c, weight_on_input=False, combine_weights=True, tma=tma))
+               for i, (_, c) in enumerate(cands)}
+        times = time_many(fns, reps, lambda m, T=T: log(f"  refine T={T} candidate{m}"))
+        if not times:
             continue
-        first = timed[0][0] if timed[0][1] == cands[0][1] else None
-        t, c = min(timed, key=lambda tc: tc[0])
+        i_best = min(times, key=times.get)
+        c, t, first = cands[i_best][1], times[i_best], times.get(0)
         out[T] = (c, t, first)
-        if first is not None and c != cands[0][1]:
-            log(f"  refine T={T}: whole step {t * 1e6:.1f} us against {first * 1e6:.1f} us for the stage-sum choice")
+        if first is not None and i_best != 0:
+            log(f"  refine T={T}: whole step {t * 1e6:.1f} us against {first * 1e6:.1f} us for the stage-sum choice"
+                + (" (half tiles)" if c.half_tail else ""))
     return out
 
 
@@ -564,19 +594,24 @@ def verify_family(spec: dict, table: dict, dtype=torch.bfloat16) -> tuple[bool, 
     return True, f"bitwise equal at T={Ts}"
 
 
-def merge_into(old: dict | None, configs: dict, bi, bi_by_t, decode: dict) -> tuple[dict, object, object, dict]:
+def merge_into(old: dict | None, configs: dict, bi, bi_by_t, decode: dict, *,
+               replace_bi: bool = False) -> tuple[dict, object, object, dict]:
     """(configs, batch_invariant, batch_invariant_by_T, decode) of a table updated by a run over some T.
 
     old: moeflow.tuning.load_table's dict of the existing table (None: nothing to merge). The run's
     aligned and decode entries replace old ones at the T it tuned (an old decode entry at a T tuned
     now goes: the run decided that T); old entries at other T stay. The old batch-invariant entries
     stay when present: one tile set for every T is judged over every T, which a partial run did not time.
+    replace_bi: the run's batch-invariant entries replace the old ones where it has them (a run over
+    every T).
     """
     if old is None:
         return configs, bi, bi_by_t, decode
     tuned = set(configs) | set(decode)
     merged_cfg = {**{T: c for T, c in old["configs"].items() if T not in tuned}, **configs}
     merged_dec = {**{T: d for T, d in old["decode"].items() if T not in tuned}, **decode}
+    if replace_bi:
+        return merged_cfg, bi or old["batch_invariant"], bi_by_t or old["batch_invariant_by_T"], merged_dec
     return (merged_cfg, old["batch_invariant"] or bi, old["batch_invariant_by_T"] or bi_by_t, merged_dec)
 
 
@@ -604,6 +639,12 @@ def main(argv=None) -> int:
     ap.add_argument("--no-refine", dest="refine", action="store_false",
                     help=f"keep the best stage sum per T instead of timing the {RANKED} best as whole steps "
                          "(CUDA-graph replay) and keeping the fastest")
+    ap.add_argument("--no-half", dest="half", action="store_false",
+                    help="do not time the BM 64 / 128 candidates with half tiles (MoETileConfig.half_tail) in "
+                         "the whole-step refinement")
+    ap.add_argument("--replace-bi", action="store_true",
+                    help="with --merge-from: write this run's batch-invariant entries (checked bit for bit) "
+                         "instead of keeping the old ones; run it over every T the table serves")
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, fp32, under TRITON_INTERPRET=1 (set it yourself): checks the script, times nothing real")
     args = ap.parse_args(argv)
@@ -650,8 +691,18 @@ def main(argv=None) -> int:
             log(f"  batch-invariant family (worst ratio {fam[1]:.3f}): {'kept' if ok else 'DROPPED'}: {fam_note}")
             if not ok:
                 fam = None
+        if fam is not None and args.half and not args.dry_run:
+            # half tiles give the same bits, so each T's family tiles may take them where faster
+            halved = refine_best(spec, {T: [(0.0, c)] for T, c in fam[0].items()}, args.reps, log, dtype=dtype)
+            table = {T: halved[T][0] if T in halved else c for T, c in fam[0].items()}
+            if table != fam[0]:
+                ok, note = verify_family(spec, table, dtype)
+                log(f"  batch-invariant family with half tiles at T={sorted(T for T in table if table[T].half_tail)}: "
+                    f"{'kept' if ok else 'DROPPED'}: {note}")
+                if ok:
+                    fam = (table, *fam[1:])
         if args.refine:
-            refined = refine_best(spec, res["ranked"], args.reps, log, dtype=dtype)
+            refined = refine_best(spec, res["ranked"], args.reps, log, dtype=dtype, half=args.half)
             res["refined"] = {str(T): {"cfg": c.to_dict(), "replay_us": t * 1e6,
                                        "stage_sum_choice_replay_us": None if t0_ is None else t0_ * 1e6}
                               for T, (c, t, t0_) in refined.items()}
@@ -667,7 +718,7 @@ def main(argv=None) -> int:
         bi, bi_by_t = (res["bi"][0] if res["bi"] else None), (fam[0] if fam else None)
         if args.merge_from:
             configs, bi, bi_by_t, decode = merge_into(load_table(shape_key(spec, dtype), device, Path(args.merge_from)),
-                                                      configs, bi, bi_by_t, decode)
+                                                      configs, bi, bi_by_t, decode, replace_bi=args.replace_bi)
         path = write_table(shape_key(spec, dtype), device, configs, bi, directory=Path(args.out_dir),
                            batch_invariant_by_T=bi_by_t, decode=decode or None)
         report["shapes"][n] = {
@@ -688,7 +739,8 @@ def main(argv=None) -> int:
             gp, dp = (",P" if c.gate_up.persistent else ""), (",P" if c.down.persistent else "")
             log(f"  T={T:5d} {t * 1e6:9.1f} us  BM={c.block_m} gu=({c.gate_up.block_n},{c.gate_up.block_k},"
                 f"{c.gate_up.num_warps},{c.gate_up.num_stages}{gp}) dn=({c.down.block_n},{c.down.block_k},"
-                f"{c.down.num_warps},{c.down.num_stages},S{c.down.split_k}{dp})")
+                f"{c.down.num_warps},{c.down.num_stages},S{c.down.split_k}{dp})"
+                + (" half tiles" if c.half_tail else ""))
         if res["bi"]:
             log(f"  batch-invariant: worst ratio {res['bi'][1]:.3f} cfg {res['bi'][0].to_dict()}")
         if args.log_json:

@@ -21,22 +21,60 @@ def test_refine_keeps_the_fastest_whole_step(monkeypatch):
         t = GemmTile(block_n=bn, block_k=64, num_warps=4, num_stages=3)
         return MoETileConfig(block_m=bm, gate_up=t, down=t)
 
-    a, b, c = cfg(64, 128), cfg(16, 64), cfg(16, 32)
-    whole = {a: 9e-6, b: 7e-6, c: 8e-6}  # the stage sums ranked a first; whole steps put b first
+    a, b, c = cfg(32, 128), cfg(16, 64), cfg(16, 32)
+    whole = {a: 9e-6, b: 7e-6}  # the stage sums ranked a first; whole steps put b first; c is refused
     seen = []
 
-    def fake_replay(fn, reps):
-        cfg_ = fn.__defaults__[0]
-        seen.append(cfg_)
-        if cfg_ == c:
-            raise RuntimeError("cannot capture")  # a refused candidate is skipped, not fatal
-        return whole[cfg_]
+    def fake_many(fns, reps, log):
+        cfgs = {k: fn.__defaults__[0] for k, fn in fns.items()}
+        seen.extend(cfgs.values())
+        log(": cannot capture")
+        return {k: whole[c_] for k, c_ in cfgs.items() if c_ != c}
 
-    monkeypatch.setattr(te, "time_replay", fake_replay)
+    monkeypatch.setattr(te, "time_many", fake_many)
     logs = []
     out = te.refine_best(te.shape_spec("tiny-silu"), {1: [(1e-6, a), (2e-6, b), (3e-6, c)]}, reps=2,
                          log=logs.append, dtype=__import__("torch").float32)
-    assert seen == [a, b, c]
+    assert seen == [a, b, c]  # BM 32 / 16: no half-tile variants
     best, t, first = out[1]
     assert best == b and t == 7e-6 and first == 9e-6
     assert any("cannot capture" in m for m in logs) and any("against 9.0 us" in m for m in logs)
+
+
+def test_refine_times_half_tiles(monkeypatch):
+    """with_half adds each BM 64 / 128 candidate with half tiles after the ranked ones; refine keeps a
+    half-tile config when its whole step is fastest, and half=False leaves them out."""
+    import dataclasses
+
+    import benchmarks.tune_experts as te
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    a = MoETileConfig(block_m=128, gate_up=t, down=t)
+    b = MoETileConfig(block_m=16, gate_up=t, down=t)
+    ah = dataclasses.replace(a, half_tail=True)
+    assert te.with_half([(1.0, a), (2.0, b)]) == [(1.0, a), (2.0, b), (1.0, ah)]
+    assert te.with_half([(1.0, ah)]) == [(1.0, ah)]
+    whole = {a: 9e-6, b: 9.5e-6, ah: 8e-6}
+    monkeypatch.setattr(te, "time_many", lambda fns, reps, log: {k: whole[fn.__defaults__[0]] for k, fn in fns.items()})
+    kw = dict(reps=2, log=lambda m: None, dtype=__import__("torch").float32)
+    out = te.refine_best(te.shape_spec("tiny-silu"), {7: [(1e-6, a), (2e-6, b)]}, **kw)
+    assert out[7][0] == ah and out[7][1] == 8e-6
+    out = te.refine_best(te.shape_spec("tiny-silu"), {7: [(1e-6, a), (2e-6, b)]}, half=False, **kw)
+    assert out[7][0] == a
+
+
+def test_merge_replace_bi():
+    """merge_into keeps the old batch-invariant entries unless replace_bi, then takes the run's."""
+    import benchmarks.tune_experts as te
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    t = GemmTile(block_n=64, block_k=64)
+    old_bi, new_bi = MoETileConfig(block_m=64, gate_up=t, down=t), MoETileConfig(block_m=128, gate_up=t, down=t)
+    old = {"configs": {1: old_bi}, "decode": {}, "batch_invariant": old_bi, "batch_invariant_by_T": {1: old_bi}}
+    _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, new_bi, {1: new_bi}, {})
+    assert bi == old_bi and by_t == {1: old_bi}
+    _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, new_bi, {1: new_bi}, {}, replace_bi=True)
+    assert bi == new_bi and by_t == {1: new_bi}
+    _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, None, None, {}, replace_bi=True)
+    assert bi == old_bi and by_t == {1: old_bi}  # nothing new: the old entries stay

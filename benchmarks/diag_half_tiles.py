@@ -1,0 +1,181 @@
+"""Half tiles and batch-invariant candidates against a sustained compute roof, timed round-robin (GPU).
+
+Legend: T tokens, K slots, E experts. At each (shape, T, routing) point the step is timed
+(CUDA-graph replay, 256 MB write flush before each, median) with several tile configurations,
+round-robin (benchmarks.common.time_cuda_graphs_interleaved):
+    table     what TritonExperts() runs there (the tuned table)
+    half      table with half_tail on (MoETileConfig.half_tail: a 128-row block holding at most 64
+              pairs runs as a 64-row tile in the same kernel)
+    full      table with half_tail off
+    bi        what TritonExperts(batch_invariant=True) runs there
+    bi_half   bi with half_tail flipped (128-row bi tiles only)
+    bi_pers   bi with both GEMMs in the persistent TMA form (same tiles, same bits)
+    roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
+              same rotation, so at the same clocks
+    vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
+              routing, checked against our table's output (rel-L2 <= 2e-2) before it is timed
+Each variant's output is compared with its base bit for bit ("bits": = or !=; table for half /
+full, bi for bi_*): a row's dot products take the same K steps whatever the tile height or
+schedule, so the bits must match.
+
+Why the roof in the rotation: a prefill step runs the H200 at its 700 W power cap, where its SM
+clock drops from 1980 MHz to 1300-1700 MHz (nvidia-smi, 2026-12-04); torch.mm timed alone for a
+few milliseconds runs before the cap bites. "compute" = 2*3*T*K*H*I FLOP / our time / that
+sustained roof's FLOP/s; "compute_burst" divides by benchmarks.common.compute_roof_flops.
+
+    PYTHONPATH=. python benchmarks/diag_half_tiles.py --json OUT.json
+    PYTHONPATH=. python benchmarks/diag_half_tiles.py --points deepseek-v3:8192 --routing uniform
+    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/diag_half_tiles.py --dry-run
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec  # noqa: E402
+from moeflow.tuning import GemmTile, MoETileConfig  # noqa: E402
+
+DEFAULT_POINTS = ("qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:2048,deepseek-v3:8192,gpt-oss-120b:2048,"
+                  "gpt-oss-120b:8192,mixtral-8x7b:2048,mixtral-8x7b:8192,ds-v4.1-like:2048,ds-v4.1-like:8192")
+
+
+def variants(table: MoETileConfig, bi: MoETileConfig) -> dict[str, MoETileConfig]:
+    """Named configurations of one point (module docstring); half tiles only for blocks of >= 64 rows."""
+    out = {"table": table}
+    if table.block_m >= 64:
+        out["half"] = dataclasses.replace(table, half_tail=True)
+        out["full"] = dataclasses.replace(table, half_tail=False)
+    out["bi"] = bi
+    if bi.block_m >= 64:
+        out["bi_half"] = dataclasses.replace(bi, half_tail=not bi.half_tail)
+    out["bi_pers"] = dataclasses.replace(bi, gate_up=dataclasses.replace(bi.gate_up, persistent=True),
+                                         down=dataclasses.replace(bi.down, persistent=True))
+    return out
+
+
+def mm_roof(step_s: float, dev) -> tuple[object, float]:
+    """(fn, FLOP): bf16 8192^3 torch.mm repeated to last about step_s (at the burst roof's rate)."""
+    n = 8192
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=dev)
+    c = torch.empty(n, n, dtype=torch.bfloat16, device=dev)
+    reps = max(1, round(step_s / 1.5e-3))  # one mm is ~1.4 ms on the H200
+
+    def fn():
+        for _ in range(reps):
+            torch.mm(a, b, out=c)
+
+    return fn, 2.0 * n**3 * reps
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--points", default=DEFAULT_POINTS, help="shape:T,... (standard shapes)")
+    ap.add_argument("--routing", default="uniform,zipf")
+    ap.add_argument("--rounds", type=int, default=5, help="round-robin passes over the variants")
+    ap.add_argument("--reps", type=int, default=3, help="timed replays of each variant per pass")
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--vllm", action="store_true", help="time the vLLM peer in the same rotation")
+    ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shape, under TRITON_INTERPRET=1")
+    args = ap.parse_args(argv)
+
+    from moeflow.experts.triton import TritonExperts
+
+    if args.dry_run:
+        from moeflow.testing import patch_interpreter_index
+
+        patch_interpreter_index()
+        dev, dtype, points, roof = torch.device("cpu"), torch.float32, [("tiny-silu", 70)], 1e12
+
+        def timer(fns):
+            for fn in fns.values():
+                fn()
+            return {**{k: 1e-3 for k in fns}, "roof_flops": roof}
+    else:
+        from benchmarks.common import compute_roof_flops, env_info, time_cuda_graphs_interleaved
+
+        dev, dtype = torch.device("cuda"), torch.bfloat16
+        points = [(p.split(":")[0], int(p.split(":")[1])) for p in args.points.split(",")]
+        roof = compute_roof_flops()
+        print(f"{env_info()}\ncompute roof {roof / 1e12:.1f} TFLOP/s")
+
+        def timer(fns):
+            fns = dict(fns)
+            # size the roof's mm chain by a first look at the step (the table's config)
+            first = time_cuda_graphs_interleaved({"table": fns["table"]}, rounds=1, reps=2)["table"]
+            roof_fn, roof_flop = mm_roof(first, dev)
+            fns["roof"] = roof_fn
+            times = time_cuda_graphs_interleaved(fns, rounds=args.rounds, reps=args.reps)
+            times["roof_flops"] = roof_flop / times["roof"]
+            return times
+    rows = []
+    cpu = dev.type == "cpu"
+    for name, T in points:
+        spec = shape_spec(name)
+        w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
+        K, E, H, I = spec["K"], spec["E"], spec["H"], spec["I"]
+        table = TritonExperts(allow_cpu=cpu).tile_config_for(w, K, T)
+        bi = TritonExperts(allow_cpu=cpu, batch_invariant=True).tile_config_for(w, K, T)
+        if cpu:  # tiny tiles the interpreter runs quickly, 32-row blocks (so half tiles of 16 rows)
+            t = GemmTile(block_n=16, block_k=16, num_stages=1)
+            table = bi = MoETileConfig(block_m=32, gate_up=t, down=t)
+        named = variants(table, bi)
+        peer = None
+        if args.vllm:  # its vLLM-layout copy of the weights, once per point
+            from benchmarks.peers.vllm_fused_moe import VllmFusedMoE
+
+            peer = VllmFusedMoE(w, spec["activation"], spec.get("limit"))
+        if cpu:
+            named["half"] = dataclasses.replace(table, half_tail=True)
+            named["bi_half"] = dataclasses.replace(bi, half_tail=True)
+        for dist in args.routing.split(","):
+            ids, wts = routing(T, E, K, dist, dev)
+            x = torch.randn(T, H, device=dev, dtype=dtype)
+            impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c) for v, c in named.items()}
+            outs = {v: impl.forward_tokens(x, ids, wts, w, cfg).clone() for v, impl in impls.items()}
+            fns = {v: (lambda impl=impl, a=(x, ids, wts, w, cfg): impl.forward_tokens(*a)) for v, impl in impls.items()}
+            if peer is not None:
+                err = float((peer(x, ids, wts).float() - outs["table"].float()).norm() / outs["table"].float().norm())
+                if not err <= 2e-2:
+                    raise SystemExit(f"{name} T={T} {dist}: the vLLM peer is off our output by rel-L2 {err:.3g}")
+                fns["vllm"] = lambda peer=peer, a=(x, ids, wts): peer(*a)
+            times = timer(fns)
+            flop = 2 * 3 * T * K * H * I
+            print(f"{name:14s} T={T:5d} {dist:7s} sustained roof {times['roof_flops'] / 1e12:.1f} TFLOP/s "
+                  f"(burst {roof / 1e12:.1f})", flush=True)
+            for v, c in named.items():
+                base = "bi" if v.startswith("bi_") else "table"  # full: same bits as half
+                row = dict(shape=name, T=T, routing=dist, variant=v, us=times[v] * 1e6,
+                           compute_frac=flop / times[v] / times["roof_flops"], compute_burst=flop / times[v] / roof,
+                           sustained_roof_flops=times["roof_flops"], burst_roof_flops=roof,
+                           vs_table=times["table"] / times[v], base=base,
+                           bits="=" if torch.equal(outs[v], outs[base]) else "!=", cfg=c.to_dict())
+                rows.append(row)
+                print(f"{name:14s} T={T:5d} {dist:7s} {v:8s} {row['us']:9.1f} us  x{row['vs_table']:.3f} vs table"
+                      f"  compute {row['compute_frac']:.3f} (burst {row['compute_burst']:.3f})  bits {row['bits']} "
+                      f"vs {base}", flush=True)
+            if "vllm" in times:
+                t_v = times["vllm"]
+                rows.append(dict(shape=name, T=T, routing=dist, variant="vllm", us=t_v * 1e6,
+                                 compute_frac=flop / t_v / times["roof_flops"], compute_burst=flop / t_v / roof,
+                                 vs_table=times["table"] / t_v, vllm_over_table=t_v / times["table"]))
+                print(f"{name:14s} T={T:5d} {dist:7s} vllm     {t_v * 1e6:9.1f} us  peer / table x{t_v / times['table']:.3f}"
+                      f"  compute {rows[-1]['compute_frac']:.3f}", flush=True)
+    if args.json:
+        from benchmarks.common import write_json
+
+        write_json(args.json, rows)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

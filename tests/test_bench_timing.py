@@ -1,0 +1,57 @@
+"""Benchmark timing plumbing: round-robin graph timing (benchmarks.common) and the half-tile diagnostic.
+
+CPU with Triton: `benchmarks/diag_half_tiles.py --dry-run` under the Triton interpreter (a
+subprocess) runs every variant of a point and prints its bits check; each variant that must give
+its base's bits does. GPU (`-m gpu`): time_cuda_graphs_interleaved returns one positive median per
+function, keyed by name, and ranks a 4x larger matmul chain slower.
+"""
+
+import importlib.util
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+HAS_CUDA = torch.cuda.is_available()
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
+def test_diag_half_tiles_dry_run():
+    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "diag_half_tiles.py"), "--dry-run", "--vllm"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    lines = [ln for ln in r.stdout.splitlines() if " us " in ln]
+    variants = {ln.split()[4] for ln in lines}
+    assert {"table", "half", "bi", "bi_half", "bi_pers", "vllm"} <= variants, r.stdout
+    # half tiles and the persistent form give their base's bits (the bi / table pair may differ)
+    for ln in lines:
+        if ln.split()[4] in ("half", "bi_half", "bi_pers"):
+            assert "bits = " in ln, ln
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not HAS_CUDA, reason="needs CUDA")
+def test_gpu_interleaved_graph_timing():
+    from benchmarks.common import time_cuda_graphs_interleaved
+
+    a = torch.randn(1024, 1024, device="cuda", dtype=torch.bfloat16)
+    c = torch.empty_like(a)
+
+    def small():
+        torch.mm(a, a, out=c)
+
+    def big():
+        for _ in range(4):
+            torch.mm(a, a, out=c)
+
+    t = time_cuda_graphs_interleaved({"small": small, "big": big}, rounds=3, reps=2)
+    assert set(t) == {"small", "big"} and all(v > 0 for v in t.values()), t
+    assert t["big"] > 2 * t["small"], t
