@@ -201,8 +201,13 @@ def bm_range(T: int, K: int, E: int, quick: bool) -> list[int]:
         return [16]
     if rows <= 24:
         return [16, 32]
-    if rows <= 96:
+    if rows <= 48:
         return [16, 32, 64]
+    if rows <= 96:
+        # BM 128 too: with half tiles (refine_best's with_half) an expert of 64 +- a few rows runs
+        # one 128-row tile or one 64-row half tile, reading its weights once (vLLM 0.33 runs BM 128
+        # at deepseek-v3 T = 2048, 64 rows per expert, and led us there by 1-4%, 2026-12-04)
+        return [16, 32, 64, 128]
     if rows <= 256:
         return [32, 64, 128]
     return [64, 128]

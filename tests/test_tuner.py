@@ -78,3 +78,13 @@ def test_merge_replace_bi():
     assert bi == new_bi and by_t == {1: new_bi}
     _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, None, None, {}, replace_bi=True)
     assert bi == old_bi and by_t == {1: old_bi}  # nothing new: the old entries stay
+
+
+def test_bm_range_offers_128_rows_from_half_full_blocks():
+    """bm_range: BM 128 is tried once an expert holds more than 48 rows on average (half tiles make
+    it pay from there); fewer rows keep the small heights only."""
+    import benchmarks.tune_experts as te
+
+    assert te.bm_range(2048, 8, 256, quick=False) == [16, 32, 64, 128]  # deepseek-v3: 64 rows per expert
+    assert te.bm_range(1024, 8, 256, quick=False) == [16, 32, 64]  # 32 rows per expert
+    assert te.bm_range(8192, 8, 128, quick=False) == [64, 128]
