@@ -84,17 +84,19 @@ def time_cuda(fn: Callable[[], object], *, reps: int = 20, warmup: int = 5, flus
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        if flush:
-            flush_l2("write" if flush is True else flush)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return statistics.median(_time_once(fn, flush) for _ in range(reps))
+
+
+def _time_once(fn: Callable[[], object], flush: bool | str) -> float:
+    """Seconds of one fn() by CUDA events, after an L2 flush when `flush` (as time_cuda)."""
+    if flush:
+        flush_l2("write" if flush is True else flush)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
 
 
 def capture_graph(fn: Callable[[], object]) -> torch.cuda.CUDAGraph:
@@ -132,15 +134,7 @@ def time_cuda_graphs_interleaved(fns: dict[str, Callable[[], object]], *, rounds
     times: dict[str, list[float]] = {name: [] for name in graphs}
     for _ in range(rounds):
         for name, g in graphs.items():
-            for _ in range(reps):
-                if flush:
-                    flush_l2("write" if flush is True else flush)
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                g.replay()
-                end.record()
-                end.synchronize()
-                times[name].append(start.elapsed_time(end) / 1e3)
+            times[name] += [_time_once(g.replay, flush) for _ in range(reps)]
     return {name: statistics.median(ts) for name, ts in times.items()}
 
 

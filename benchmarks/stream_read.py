@@ -26,7 +26,6 @@ tried on the best configuration so far.
 from __future__ import annotations
 
 import argparse
-import functools
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -93,14 +92,11 @@ def stream_read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, COLS: tl.
     tl.store(out_ptr + pid, tl.xor_sum(acc, axis=0))
 
 
-@functools.cache
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def device_sms(device: torch.device) -> int:
     """SMs of a CUDA device (its index, or the current device's when it has none)."""
-    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    from moeflow.experts.triton import _device_facts  # the project's cached device properties
+
+    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
 
 
 def stream_read_fn(buf: torch.Tensor, out: torch.Tensor, *, block: int = BASE["block"], warps: int = BASE["warps"],
