@@ -329,7 +329,8 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes", "gemv", "fp8_bi_tiles", "fp8_split"])
+@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes", "gemv", "fp8_bi_tiles", "fp8_split",
+                                   "fp8_tma"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -623,6 +624,64 @@ def check_fp8_split(device, dtype, tol, ref_context) -> None:
         TQ._launch_fp8_quant = orig
 
 
+def check_fp8_tma(device, dtype, cases, T_list, tiles_list, tol, ref_context) -> None:
+    """The fp8 TMA kernels (moeflow.kernels.moe_gemm_fp8_tma; persistent or not) against the pointer
+    kernels with the same tiles, bit for bit (the same dots, the same acc + dot * (sa * sw) per K
+    step, the same epilogue), both within tol of the W8A8 reference; the TMA launches are counted so
+    the comparison cannot pass by both sides running the pointer kernels. Then the pointer kernels'
+    per-column scales (FP8_SCALAR_WS = False), which round otherwise: within tol, not bitwise."""
+    import dataclasses
+
+    import moeflow.experts.triton_quant as TQ
+    from moeflow.testing import assert_bitwise_equal
+
+    calls = []
+    orig = (TQ._launch_fp8_gate_up_tma, TQ._launch_fp8_down_tma)
+
+    def counted(fn, kind):
+        def run(*a, **kw):
+            calls.append(kind)
+            return fn(*a, **kw)
+        return run
+
+    TQ._launch_fp8_gate_up_tma = counted(orig[0], "gate_up")
+    TQ._launch_fp8_down_tma = counted(orig[1], "down")
+    try:
+        for fmt, E, H, I, K, act, layout, il, bias, woi in cases:
+            cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, device=device, weight_on_input=woi)
+            for tiles in tiles_list:
+                G = TQ.quant_group(wq.quant)
+                tiles = dataclasses.replace(tiles, gate_up=dataclasses.replace(tiles.gate_up, block_k=G),
+                                            down=dataclasses.replace(tiles.down, block_k=G))
+                kw = dict(allow_cpu=device == "cpu", fp8=True, tile_config=tiles)
+                tma, ptr = TQ.TritonQuantExperts(tma=True, **kw), TQ.TritonQuantExperts(tma=False, **kw)
+                for T in T_list:
+                    x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+                    calls.clear()
+                    a = tma.forward_tokens(x, ids, wts, wq, cfg)
+                    assert calls == ["gate_up", "down"], f"{fmt} {tiles}: TMA launches {calls}"
+                    calls.clear()
+                    b = ptr.forward_tokens(x, ids, wts, wq, cfg)
+                    assert calls == [], f"{fmt}: tma=False launched {calls}"
+                    what = (f"{fmt} E={E} H={H} I={I} T={T} BM={tiles.block_m} persistent="
+                            f"{tiles.gate_up.persistent}: TMA vs pointer kernels")
+                    assert_bitwise_equal(a, b, what=what)
+                    with ref_context():
+                        ref, _ = reference_quant(x, ids, wts, wq, cfg)
+                    check_close(a, ref, what + " vs the W8A8 reference", tol_rel_l2=tol, elementwise=False)
+                    TQ.FP8_SCALAR_WS = False
+                    try:
+                        c = ptr.forward_tokens(x, ids, wts, wq, cfg)
+                    finally:
+                        TQ.FP8_SCALAR_WS = True
+                    check_close(c, ref, what + " per-column scales vs the W8A8 reference", tol_rel_l2=tol,
+                                elementwise=False)
+                    print(f"{what}: equal; rel-L2 vs ref {rel_l2(a, ref):.2e}, per-column scales "
+                          f"{rel_l2(c, ref):.2e}, equal elements to them {float((a == c).float().mean()):.3f}")
+    finally:
+        TQ._launch_fp8_gate_up_tma, TQ._launch_fp8_down_tma = orig
+
+
 def _interp_main(check: str) -> None:
     from moeflow.experts.triton_quant import TritonQuantExperts
     from moeflow.testing import cuda_scalar_division
@@ -651,6 +710,16 @@ def _interp_main(check: str) -> None:
         check_fp8_bi_miss_logic()
     elif check == "fp8_split":
         check_fp8_split("cpu", torch.float16, 3e-3, cuda_scalar_division)
+    elif check == "fp8_tma":
+        from moeflow.tuning import GemmTile, MoETileConfig
+
+        tiles = [MoETileConfig(block_m=64, gate_up=GemmTile(block_n=32, block_k=32, num_stages=1),
+                               down=GemmTile(block_n=32, block_k=32, num_stages=1)),
+                 MoETileConfig(block_m=64, gate_up=GemmTile(block_n=32, block_k=32, num_stages=1, persistent=True),
+                               down=GemmTile(block_n=32, block_k=32, num_stages=1, persistent=True))]
+        cases = [("fp8_b32", 3, 64, 64, 2, "swiglu_clamp", "linear", False, False, False),
+                 ("fp8_b32", 4, 96, 32, 1, "silu", "linear", False, False, True)]  # llama4: weight on input
+        check_fp8_tma("cpu", torch.float16, cases, (5, 70), tiles, 3e-3, cuda_scalar_division)
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")
@@ -738,6 +807,26 @@ def test_gpu_fp8_split_tiles():
     """FP8 gate_up tiles narrower than a group (decode: more programs, a separate quantization pass)
     against whole-group tiles and the W8A8 reference (check_fp8_split; written 2026-12-03, not yet run)."""
     check_fp8_split("cuda", torch.bfloat16, 1e-2, contextlib.nullcontext)
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA needs Hopper or newer")
+def test_gpu_fp8_tma_equals_pointer_bitwise():
+    """The fp8 TMA kernels (prefill tiles, persistent or not, BM 64 / 128; f32 and UE8M0 scales) give the
+    pointer kernels' bits at the same tiles, and stay within 1e-2 of the W8A8 reference (check_fp8_tma).
+    The CUDA-graph replay of the TMA path: test_gpu_cuda_graph_replay[fp8-300] (BM 64 tiles there)."""
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    gu = dict(block_n=128, block_k=128, num_warps=8, num_stages=3)
+    dn = dict(block_n=128, block_k=128, num_warps=8, num_stages=4)
+    tiles = [MoETileConfig(block_m=64, gate_up=GemmTile(**gu), down=GemmTile(**dn)),
+             MoETileConfig(block_m=64, gate_up=GemmTile(**gu, persistent=True), down=GemmTile(**dn, persistent=True)),
+             MoETileConfig(block_m=128, gate_up=GemmTile(**gu), down=GemmTile(**dn, persistent=True))]
+    cases = [("fp8", 16, 384, 256, 4, "silu", "linear", False, False, False),
+             ("fp8_ue8m0", 9, 256, 384, 3, "swiglu_clamp", "linear", False, False, False),
+             ("fp8", 8, 256, 256, 1, "silu", "linear", False, False, True)]  # llama4: weight on input
+    check_fp8_tma("cuda", torch.bfloat16, cases, (300, 2000), tiles, 1e-2, contextlib.nullcontext)
 
 
 @gpu

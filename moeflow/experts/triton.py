@@ -101,6 +101,14 @@ def _tma_device(index: int) -> bool:
     return wanted and torch.cuda.get_device_capability(index)[0] >= 9
 
 
+def tma_wanted(tma: bool | None, dev: torch.device) -> bool:
+    """An impl's `tma` setting resolved for weights on `dev`: True / False as given; None (default)
+    on CUDA devices where _tma_device says so."""
+    if tma is not None:
+        return tma
+    return dev.type == "cuda" and _tma_device(dev.index if dev.index is not None else torch.cuda.current_device())
+
+
 @lru_cache(maxsize=8)
 def _device_facts(index: int) -> tuple[str, int]:
     props = torch.cuda.get_device_properties(index)
@@ -294,10 +302,7 @@ class TritonExperts:
 
     def uses_tma(self, w: ExpertWeights) -> bool:
         """Whether this call's device may take TMA weight tiles (each GEMM still checks its shape)."""
-        if self.tma is not None:
-            return self.tma
-        dev = w.device
-        return dev.type == "cuda" and _tma_device(dev.index if dev.index is not None else torch.cuda.current_device())
+        return tma_wanted(self.tma, w.device)
 
     # ------------------------------------------------------------------ checks
     def _check_common(self, w: ExpertWeights, config: MoEConfig) -> None:
@@ -442,12 +447,11 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
-def _programs(plan: _Plan, t) -> int:
-    """Programs of a persistent TMA GEMM (one per SM: a constant per device, so no recompile per T);
-    0 when the tile is not persistent (one program per work tile)."""
+def persistent_programs(t, dev: torch.device) -> int:
+    """Programs of a persistent TMA GEMM of tile t on dev (one per SM: a constant per device, so no
+    recompile per T); 0 when the tile is not persistent (one program per work tile)."""
     if not t.persistent:
         return 0
-    dev = plan.act_PI.device
     if dev.type != "cuda":
         return 4  # the interpreter: a few programs, each walking several tiles
     return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
@@ -464,7 +468,7 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
     E, H, I = w.gate_up.shape[0], plan.H, plan.I
     wd = TensorDescriptor(w.gate_up, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (I // t.block_n)
-    progs = _programs(plan, t)
+    progs = persistent_programs(t, plan.act_PI.device)
     moe_gate_up_tma_kernel[(progs or tiles,)](
         x_rows, wd, plan.act_PI, plan.sorted_P, plan.block_expert_B,
         plan.N, H, I, top_k_div, plan.max_blocks, tiles, x_rows.stride(0), plan.act_PI.stride(0),
@@ -490,7 +494,7 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
                if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    progs = _programs(plan, t)
+    progs = persistent_programs(t, plan.act_PI.device)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
         ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),

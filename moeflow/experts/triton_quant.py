@@ -67,7 +67,15 @@ from .._triton import INTERPRETED, triton_available
 from ..config import ExpertWeights, MoEConfig
 from ..tuning import GemmTile, MoETileConfig
 from .base import check_token_devices, check_tokens, flat_pairs, tiling_experts
-from .triton import _ACT_CODES, combine_launch, max_blocks_for
+from .triton import (
+    _ACT_CODES,
+    _launch_tma,
+    _tma_weights_ok,
+    combine_launch,
+    max_blocks_for,
+    persistent_programs,
+    tma_wanted,
+)
 
 _FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
@@ -92,6 +100,13 @@ _E8M0 = getattr(torch, "float8_e8m0fnu", None)
 # few integer ops) on CUDA; the same numbers as the Triton decode, which the interpreter runs
 # (it has no inline asm) and which False selects everywhere (A/B, tests).
 FP4_DECODE_ASM = True
+# FP8 tiles whose BN output columns lie in one weight-scale block (BN divides the block's bn, as in
+# every released checkpoint's 128 x 128) take one weight scale a K step: acc + dot * (sa * sw), the
+# next step's scales loaded ahead (moe_gemm_quant.SCALAR_WS). The H200 compile of deepseek-v3's
+# prefill gate_up tile (BM 64, BN 128, 8 warps) went from 255 registers and a spill, 359 loop
+# instructions (a pointer and a load per column scale), to 180 registers and 208 (benchmarks/
+# sass_mix.py). False keeps the per-column scales everywhere (A/B, benchmarks/diag_fp8_prefill.py).
+FP8_SCALAR_WS = True
 
 
 def _gemv_asm(t: torch.Tensor) -> bool:
@@ -197,9 +212,12 @@ def quant_tile_config(fmt: str, group: int, num_experts: int, hidden_size: int, 
             gu = GemmTile(block_n=group, block_k=group, num_warps=4, num_stages=3)
             dn = GemmTile(block_n=64, block_k=group, num_warps=4, num_stages=4)
             return MoETileConfig(block_m=32, gate_up=gu, down=dn)
-        gu = GemmTile(block_n=group, block_k=group, num_warps=8, num_stages=3)
-        dn = GemmTile(block_n=64 if rows <= 64 else 128, block_k=group, num_warps=4 if rows <= 64 else 8,
-                      num_stages=4)
+        # BM 64 (the TMA kernels on Hopper, moeflow.kernels.moe_gemm_fp8_tma). Round-robin on the H200
+        # (benchmarks/diag_fp8_prefill.py, 2026-12-04): gate_up 4 stages, GROUP_M 16 and a 4-warp
+        # down (BN 128) against 3 stages, GROUP_M 8 and 8 warps: deepseek-v3 T = 2048 3722 vs 4135 us,
+        # T = 8192 9751 vs 11363; qwen3-30b-a3b-fp8 T = 2048 382 vs 406, T = 8192 1208 vs 1231.
+        gu = GemmTile(block_n=group, block_k=group, num_warps=8, num_stages=4, group_m=16)
+        dn = GemmTile(block_n=128, block_k=group, num_warps=4, num_stages=4, group_m=16)
         return MoETileConfig(block_m=64, gate_up=gu, down=dn)
     if rows <= 64:
         bm = 32 if rows <= 32 else 64
@@ -240,6 +258,10 @@ class TritonQuantExperts:
     batch_invariant: one fixed tile configuration for every T (bitwise batch invariance).
     tile_config:     force this MoETileConfig for every call (tests); checked per format.
     allow_cpu:       accept CPU tensors (only meaningful under TRITON_INTERPRET=1).
+    tma:             fp8_block GEMMs of BM >= 64 (prefill) with TMA weight tiles
+                     (moeflow.kernels.moe_gemm_fp8_tma) where the shapes allow: None (default) as
+                     TritonExperts (Hopper or newer unless MOEFLOW_TMA=0), True wherever the shapes
+                     allow (the interpreter runs them too), False never.
     """
 
     name = "triton_quant"
@@ -258,7 +280,7 @@ class TritonQuantExperts:
     quant_formats = ("fp8_block", "mxfp4", "nvfp4")
 
     def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
-                 allow_cpu: bool = False, fp8: bool | None = None) -> None:
+                 allow_cpu: bool = False, fp8: bool | None = None, tma: bool | None = None) -> None:
         if fp8 is None:
             fp8 = not batch_invariant  # see quant_formats' comment
         if not isinstance(fp8, bool):
@@ -270,6 +292,9 @@ class TritonQuantExperts:
         if tile_config is not None and not isinstance(tile_config, MoETileConfig):
             raise TypeError(
                 f"TritonQuantExperts.tile_config: expected a MoETileConfig, got {type(tile_config).__name__}")
+        if tma is not None and not isinstance(tma, bool):
+            raise TypeError(f"TritonQuantExperts.tma={tma!r}: expected None or a bool")
+        self.tma = tma
         self.batch_invariant = batch_invariant
         self.name = "triton_quant_bi" if batch_invariant else "triton_quant"
         self.tile_config = tile_config
@@ -366,7 +391,7 @@ class TritonQuantExperts:
                              combine_weights=not on_input)
         cfg = self.tile_config_for(w, K, T)
         return _run(x_TH, ids_N, wts_N, T, K, w, config, cfg,
-                    weight_on_input=on_input, combine_weights=not on_input)
+                    weight_on_input=on_input, combine_weights=not on_input, tma=tma_wanted(self.tma, w.device))
 
     def forward_pairs(self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights,
                       config: MoEConfig) -> torch.Tensor:
@@ -396,7 +421,8 @@ class TritonQuantExperts:
         if self.uses_gemv(w, N):
             return _run_gemv(x_NH, ids_N, None, N, 1, w, config, weight_on_input=False, combine_weights=False)
         cfg = self.tile_config_for(w, config.top_k, max(1, N // config.top_k))
-        return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False)
+        return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False,
+                    tma=tma_wanted(self.tma, w.device))
 
     # ------------------------------------------------------------------ checks
     def _check_common(self, w: ExpertWeights, config: MoEConfig) -> None:
@@ -464,6 +490,7 @@ class _Plan:
         # programmatic dependent launch (moeflow/kernels/pdl.py): launch attribute, and the GEMMs' mode
         self.pdl = pdl_for(dev)
         self.pdl_gemm = gemm_mode(self.pdl)
+        self.tma = False  # set by _run: the fp8 GEMMs may take TMA tiles
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -511,13 +538,19 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         xq, xs = _launch_fp8_quant(x_rows, plan.G, pdl=plan.pdl)
         ws = _u8(w.gate_up_scale)
         sbn = w.quant.block[0]
+        if (_fp8_tma_ok(plan, t, sbn) and plan.quant_out and not w.interleaved
+                and _tma_weights_ok(t, gu, plan.I, plan.H, w.gate_up_bias)
+                and _launch_tma("fp8_gate_up", (plan.cfg.block_m, t), lambda: _launch_fp8_gate_up_tma(
+                    plan, xq, xs, top_k_div, w, ws, limit, alpha, config))):
+            return
         act = plan.act_PI if plan.act_PI is not None else plan.aq_PI  # dummy pointer when quantized in place
         kq.moe_gate_up_fp8_kernel[grid](
             xq, xs, gu, ws, gub, plan.aq_PI, plan.as_PG, act, plan.sorted_P, plan.block_expert_B,
             plan.N, plan.H, plan.I, top_k_div, plan.max_blocks, sbn, -(-plan.I // sbn),
             xq.stride(0), xs.stride(0), *gu.stride(), *ws.stride(), gub.stride(0),
             plan.aq_PI.stride(0), plan.as_PG.stride(0), act.stride(0), limit, alpha,
-            SCALE_E8M0=ws.dtype == torch.uint8, EVEN_K=plan.H % t.block_k == 0, QUANT_OUT=plan.quant_out, **common,
+            SCALE_E8M0=ws.dtype == torch.uint8, EVEN_K=plan.H % t.block_k == 0, QUANT_OUT=plan.quant_out,
+            SCALAR_WS=_fp8_scalar_ws(t, sbn), **common,
         )
         if not plan.quant_out:
             # Every placed row, padding rows included (their values are never stored by down).
@@ -554,12 +587,16 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
                   num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl)
     if plan.fmt == "fp8_block":
         ws = _u8(w.down_scale)
+        sbn = w.quant.block[0]
+        if (_fp8_tma_ok(plan, t, sbn) and S == 1 and _tma_weights_ok(t, dn, plan.H, plan.I, w.down_bias)
+                and _launch_tma("fp8_down", (plan.cfg.block_m, t), lambda: _launch_fp8_down_tma(plan, w, ws))):
+            return
         kq.moe_down_fp8_kernel[grid](
             plan.aq_PI, plan.as_PG, dn, ws, db, y, plan.sorted_P, plan.block_expert_B,
-            plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split, w.quant.block[0],
+            plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split, sbn,
             plan.aq_PI.stride(0), plan.as_PG.stride(0), *dn.stride(), *ws.stride(),
             db.stride(0), y.stride(0), y.stride(1),
-            SCALE_E8M0=ws.dtype == torch.uint8, **common,
+            SCALE_E8M0=ws.dtype == torch.uint8, SCALAR_WS=_fp8_scalar_ws(t, sbn), **common,
         )
         return
     s = w.down_scale.view(torch.uint8)
@@ -573,13 +610,71 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
+def _fp8_scalar_ws(t: GemmTile, sbn: int) -> bool:
+    """The fp8 kernels' SCALAR_WS: a tile's BN columns lie in one weight-scale block (FP8_SCALAR_WS)."""
+    return FP8_SCALAR_WS and sbn % t.block_n == 0
+
+
+def _fp8_tma_ok(plan: _Plan, t: GemmTile, sbn: int) -> bool:
+    """An fp8 GEMM of this plan may take the TMA kernels (moe_gemm_fp8_tma): allowed on the device, MMA tiles
+    of BM >= 64 (the decode tiles, BM 16, keep the pointer kernels they were tuned with), scalar weight scales."""
+    return plan.tma and plan.cfg.block_m >= 64 and _fp8_scalar_ws(t, sbn)
+
+
+def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top_k_div: int, w: ExpertWeights,
+                            ws: torch.Tensor, limit: float, alpha: float, config: MoEConfig) -> None:
+    """The fp8 gate_up with TMA weight tiles (the caller checked the shapes): aq_PI / as_PG."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ..kernels.moe_gemm_fp8_tma import moe_gate_up_fp8_tma_kernel
+
+    t = plan.cfg.gate_up
+    E, H, I = w.gate_up.shape[0], plan.H, plan.I
+    sbn = w.quant.block[0]
+    wd = TensorDescriptor(w.gate_up, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[t.block_n, t.block_k])
+    tiles = plan.max_blocks * (I // t.block_n)
+    progs = persistent_programs(t, plan.aq_PI.device)
+    moe_gate_up_fp8_tma_kernel[(progs or tiles,)](
+        xq, xs, wd, ws, plan.aq_PI, plan.as_PG, plan.sorted_P, plan.block_expert_B,
+        plan.N, H, I, top_k_div, plan.max_blocks, tiles, sbn, -(-I // sbn),
+        xq.stride(0), xs.stride(0), *ws.stride(), plan.aq_PI.stride(0), plan.as_PG.stride(0), limit, alpha,
+        ACT=_ACT_CODES[config.activation], SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0,
+        NUM_PROGS=max(1, progs), BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
+        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+    )
+
+
+def _launch_fp8_down_tma(plan: _Plan, w: ExpertWeights, ws: torch.Tensor) -> None:
+    """The fp8 down GEMM with TMA activation and weight tiles (one split; the caller checked the shapes)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ..kernels.moe_gemm_fp8_tma import moe_down_fp8_tma_kernel
+
+    t = plan.cfg.down
+    E, H, I, BM = w.down.shape[0], plan.H, plan.I, plan.cfg.block_m
+    ad = TensorDescriptor(plan.aq_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
+    wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
+    tiles = plan.max_blocks * (H // t.block_n)
+    progs = persistent_programs(t, plan.aq_PI.device)
+    y = plan.y_SNH
+    moe_down_fp8_tma_kernel[(progs or tiles,)](
+        ad, plan.as_PG, wd, ws, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles,
+        w.quant.block[0], plan.as_PG.stride(0), *ws.stride(), y.stride(1),
+        SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0, NUM_PROGS=max(1, progs), BLOCK_M=BM,
+        BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
+        num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+    )
+
+
 def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoETileConfig, *,
-         weight_on_input: bool, combine_weights: bool) -> torch.Tensor:
-    """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs)."""
+         weight_on_input: bool, combine_weights: bool, tma: bool = False) -> torch.Tensor:
+    """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs); tma: the fp8
+    GEMMs may take TMA tiles (TritonQuantExperts.tma resolved)."""
     from ..kernels.moe_align import align_launch
 
     check_tile_config(cfg, w.quant.format, quant_group(w.quant))
     plan = _Plan(x_MH, T, K, w, cfg)
+    plan.tma = tma
     align_launch(ids_N, plan.E, cfg.block_m, plan.sorted_P, plan.block_expert_B, pdl=plan.pdl)
     if weight_on_input:
         # llama4: the expert's input is (w * x) rounded to x's dtype, made once before the GEMMs.

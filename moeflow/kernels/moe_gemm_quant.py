@@ -199,6 +199,34 @@ def _fp8_quant_groups(v, AXIS: tl.constexpr):
     return q.to(tl.float8e4nv), s
 
 
+@triton.jit
+def _fp8_row_scale(xs_row_ptrs, sw_ptr, kt, stride_wsk, row_ok, SCALE_E8M0: tl.constexpr):
+    """[BM] f32: activation scale of each row times the tile's one weight scale, K tile kt.
+
+    SCALAR_WS kernels: the tile's BN output columns lie in one weight-scale block (BN divides sbn),
+    so the weight scale of K tile kt is one number and the dot needs one multiply-add per element:
+    acc + dot * (sa * sw). The caller loads tile kt + 1's scales before tile kt's dot (their global
+    latency then hides behind the MMA instead of stalling every K step).
+    """
+    sa = tl.load(xs_row_ptrs + kt, mask=row_ok, other=0.0)
+    return sa * _fp8_scale(tl.load(sw_ptr + kt * stride_wsk), SCALE_E8M0)
+
+
+@triton.jit
+def _fp8_quant_store(out, rows, row_ok, offs_j, j_ok, pid_n, aq_ptr, as_ptr, stride_aq, stride_as, I,
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """Quantize the f32 activation tile out [BM, BN] (BN a multiple of the group BK) per row per group
+    into aq_PI (e4m3) / as_PG (f32 scales): gate_up's epilogue."""
+    # Columns past I are zero so they never raise a group's max.
+    out = tl.where(j_ok[None, :], out, 0.0)
+    q, s = _fp8_quant_groups(tl.reshape(out, (BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K)), 2)
+    tl.store(aq_ptr + rows[:, None] * stride_aq + offs_j[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)),
+             mask=row_ok[:, None] & j_ok[None, :])
+    offs_g = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
+    tl.store(as_ptr + rows[:, None] * stride_as + offs_g[None, :], s,
+             mask=row_ok[:, None] & (offs_g < tl.cdiv(I, BLOCK_K))[None, :])
+
+
 # ------------------------------------------------------------------------------ FP8 W8A8
 @fast_kernel
 @triton.jit(do_not_specialize=["M"])
@@ -231,7 +259,7 @@ def moe_gate_up_fp8_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SCALAR_WS: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(I, BN),). aq_PI / as_PG for the block's rows and BN columns of I.
 
@@ -241,6 +269,8 @@ def moe_gate_up_fp8_kernel(
     into aq / as. Else (BLOCK_N a divisor of G: narrower tiles, more programs at decode) it
     stores the f32 activation into act_PI [P, I] and fp8_quant_rows_kernel quantizes it after:
     the same f32 values through the same _fp8_quant_groups, so the same bits.
+    SCALAR_WS (BN divides sbn): one weight scale a tile and K step, acc + dot * (sa * sw) with the
+    next step's scales loaded ahead (_fp8_row_scale); else (dot * sa) * sw per column.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
@@ -264,11 +294,25 @@ def moe_gate_up_fp8_kernel(
     wg_ptrs = w_base + offs_j[None, :] * stride_wn + offs_k[:, None] * stride_wk
     wu_ptrs = wg_ptrs + I * stride_wn
     ws_base = ws_ptr + e * stride_wse
-    sg_ptrs = ws_base + (offs_j // sbn) * stride_wsn
-    su_ptrs = ws_base + (g_rows + offs_j // sbn) * stride_wsn
     g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for kt in range(0, tl.cdiv(H, BLOCK_K)):
+    n_kt = tl.cdiv(H, BLOCK_K)
+    if SCALAR_WS:
+        blk = (pid_n * BLOCK_N) // sbn
+        sg_ptrs = ws_base + blk * stride_wsn
+        su_ptrs = ws_base + (g_rows + blk) * stride_wsn
+        cg = _fp8_row_scale(xs_ptrs, sg_ptrs, 0, stride_wsk, row_ok, SCALE_E8M0)
+        cu = _fp8_row_scale(xs_ptrs, su_ptrs, 0, stride_wsk, row_ok, SCALE_E8M0)
+    else:
+        sg_ptrs = ws_base + (offs_j // sbn) * stride_wsn
+        su_ptrs = ws_base + (g_rows + offs_j // sbn) * stride_wsn
+        cg = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused: the loop reads per-column scales
+        cu = cg
+    for kt in range(0, n_kt):
+        if SCALAR_WS:
+            kn = tl.minimum(kt + 1, n_kt - 1)  # the last step re-reads its own scales (in bounds)
+            cg_next = _fp8_row_scale(xs_ptrs, sg_ptrs, kn, stride_wsk, row_ok, SCALE_E8M0)
+            cu_next = _fp8_row_scale(xs_ptrs, su_ptrs, kn, stride_wsk, row_ok, SCALE_E8M0)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
@@ -278,14 +322,20 @@ def moe_gate_up_fp8_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
             wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-        sa = tl.load(xs_ptrs + kt, mask=row_ok, other=0.0)
-        sg = _fp8_scale(tl.load(sg_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
-        su = _fp8_scale(tl.load(su_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
         # One K tile per dot, scaled into the f32 sum: the fp8 MMA's own accumulation never
         # runs past one scale block.
-        # (dot * row scale) * column scale: broadcasts, never a [BM, BN] tile of scales.
-        g += (tl.dot(a, wg) * sa[:, None]) * sg[None, :]
-        u += (tl.dot(a, wu) * sa[:, None]) * su[None, :]
+        if SCALAR_WS:
+            g += tl.dot(a, wg) * cg[:, None]
+            u += tl.dot(a, wu) * cu[:, None]
+            cg = cg_next
+            cu = cu_next
+        else:
+            sa = tl.load(xs_ptrs + kt, mask=row_ok, other=0.0)
+            sg = _fp8_scale(tl.load(sg_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
+            su = _fp8_scale(tl.load(su_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
+            # (dot * row scale) * column scale: broadcasts, never a [BM, BN] tile of scales.
+            g += (tl.dot(a, wg) * sa[:, None]) * sg[None, :]
+            u += (tl.dot(a, wu) * sa[:, None]) * su[None, :]
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -297,14 +347,8 @@ def moe_gate_up_fp8_kernel(
     out = _activate(g, u, limit, alpha, ACT)
     rows = offs_p.to(tl.int64)
     if QUANT_OUT:
-        # Columns past I are zero so they never raise a group's max.
-        out = tl.where(j_ok[None, :], out, 0.0)
-        q, s = _fp8_quant_groups(tl.reshape(out, (BLOCK_M, BLOCK_N // BLOCK_K, BLOCK_K)), 2)
-        tl.store(aq_ptr + rows[:, None] * stride_aq + offs_j[None, :], tl.reshape(q, (BLOCK_M, BLOCK_N)),
-                 mask=row_ok[:, None] & j_ok[None, :])
-        offs_g = pid_n * (BLOCK_N // BLOCK_K) + tl.arange(0, BLOCK_N // BLOCK_K)
-        tl.store(as_ptr + rows[:, None] * stride_as + offs_g[None, :], s,
-                 mask=row_ok[:, None] & (offs_g < tl.cdiv(I, BLOCK_K))[None, :])
+        _fp8_quant_store(out, rows, row_ok, offs_j, j_ok, pid_n, aq_ptr, as_ptr, stride_aq, stride_as, I,
+                         BLOCK_M, BLOCK_N, BLOCK_K)
     else:
         tl.store(act_ptr + rows[:, None] * stride_act + offs_j[None, :], out, mask=row_ok[:, None] & j_ok[None, :])
 
@@ -318,10 +362,11 @@ def moe_down_fp8_kernel(
     stride_ys, stride_yn,
     HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, SCALAR_WS: tl.constexpr = False,
 ):
     """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over the K tiles
-    [s * k_tiles_per_split, (s + 1) * k_tiles_per_split) of I; BLOCK_K == G."""
+    [s * k_tiles_per_split, (s + 1) * k_tiles_per_split) of I; BLOCK_K == G. SCALAR_WS as
+    moe_gate_up_fp8_kernel."""
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
     pid = tl.program_id(0)
@@ -345,9 +390,19 @@ def moe_down_fp8_kernel(
     a_ptrs = aq_ptr + rows[:, None] * stride_aq + (k_first + offs_k)[None, :]
     as_ptrs = as_ptr + rows * stride_as
     w_ptrs = w_ptr + e * stride_we + offs_h[None, :] * stride_wn + (k_first + offs_k)[:, None] * stride_wk
-    ws_ptrs = ws_ptr + e * stride_wse + (offs_h // sbn) * stride_wsn
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if SCALAR_WS:
+        ws_ptrs = ws_ptr + e * stride_wse + ((pid_n * BLOCK_N) // sbn) * stride_wsn
+        # clamped: an empty last split part (kt_lo >= kt_hi) must not read past the scales
+        c = _fp8_row_scale(as_ptrs, ws_ptrs, tl.minimum(kt_lo, tl.cdiv(I, BLOCK_K) - 1), stride_wsk, row_ok,
+                           SCALE_E8M0)
+    else:
+        ws_ptrs = ws_ptr + e * stride_wse + (offs_h // sbn) * stride_wsn
+        c = tl.zeros([BLOCK_M], dtype=tl.float32)  # unused: the loop reads per-column scales
     for kt in range(kt_lo, kt_hi):
+        if SCALAR_WS:
+            c_next = _fp8_row_scale(as_ptrs, ws_ptrs, tl.minimum(kt + 1, kt_hi - 1), stride_wsk, row_ok,
+                                    SCALE_E8M0)
         if EVEN_K:
             a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
             w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
@@ -355,9 +410,13 @@ def moe_down_fp8_kernel(
             k_ok = offs_k < I - kt * BLOCK_K
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=h_ok[None, :] & k_ok[:, None], other=0.0)
-        sa = tl.load(as_ptrs + kt, mask=row_ok, other=0.0)
-        sw = _fp8_scale(tl.load(ws_ptrs + kt * stride_wsk, mask=h_ok, other=0), SCALE_E8M0)
-        acc += (tl.dot(a, w) * sa[:, None]) * sw[None, :]
+        if SCALAR_WS:
+            acc += tl.dot(a, w) * c[:, None]
+            c = c_next
+        else:
+            sa = tl.load(as_ptrs + kt, mask=row_ok, other=0.0)
+            sw = _fp8_scale(tl.load(ws_ptrs + kt * stride_wsk, mask=h_ok, other=0), SCALE_E8M0)
+            acc += (tl.dot(a, w) * sa[:, None]) * sw[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:
