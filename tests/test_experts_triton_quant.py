@@ -719,7 +719,7 @@ def _interp_main(check: str) -> None:
                                down=GemmTile(block_n=32, block_k=32, num_stages=1, persistent=True))]
         cases = [("fp8_b32", 3, 64, 64, 2, "swiglu_clamp", "linear", False, False, False),
                  ("fp8_b32", 4, 96, 32, 1, "silu", "linear", False, False, True)]  # llama4: weight on input
-        check_fp8_tma("cpu", torch.float16, cases, (5, 70), tiles, 3e-3, cuda_scalar_division)
+        check_fp8_tma("cpu", torch.float16, cases, (37,), tiles, 3e-3, cuda_scalar_division)
     else:
         raise SystemExit(f"unknown check {check!r}")
     print(f"PASS {check}")

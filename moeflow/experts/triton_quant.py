@@ -30,7 +30,9 @@ FP4 decode (N <= _GEMV_MAX_PAIRS pairs, default mode): no align; GEMV kernels, o
 tile per 16-row block; the GEMV decodes each weight byte once per pair, a packed int32 word
 (8 values) per inline-PTX block that also runs the word's fma chain against the activations,
 which each thread holds in registers (moe_gemm_quant._w4_gemv_rows).
-Kernels: moeflow/kernels/moe_gemm_quant.py (and the shared align / combine kernels).
+Kernels: moeflow/kernels/moe_gemm_quant.py (and the shared align / combine kernels); the fp8 GEMMs of
+BM >= 64 tiles (prefill) run moeflow/kernels/moe_gemm_fp8_tma.py's TMA forms on Hopper (`tma`), the same
+bits as the pointer kernels at the same tiles.
 
 Modes:
     TritonQuantExperts()                      tiles chosen per T (heuristics, `quant_tile_config`);

@@ -18,7 +18,9 @@ Weights are read as checkpoints store them, [E, out, in] (moeflow.quant.experts)
 
 FP8 (W8A8), per the DeepSeek recipe and moeflow.quant.formats.quantize_fp8_activations:
     quant      xq[r], xs[r, g] = e4m3(x[r] / s), s = max|x[r, group g]| / 448 (1 for a zero group)
-    gate_up    acc += dot_fp8(xq tile, Wq tile) * xs[row, kt] * ws[col, kt]     BK = G: one scale a tile
+    gate_up    acc += dot_fp8(xq tile, Wq tile) * (xs[row, kt] * ws[blk, kt])   BK = G: one scale a tile
+               (SCALAR_WS: BN divides the scale block, so the tile's weight scale is one number; else
+               (dot * xs[row, kt]) * ws[col, kt] per column)
                act = act(acc_gate, acc_up) (+ bias), then quantized in the epilogue the same way
                (BN a multiple of G, so every group of I is whole inside one program)
     down       y = sum_kt dot_fp8(aq tile, Wq tile) * as[row, kt] * ws[col, kt]  (split-K parts)
