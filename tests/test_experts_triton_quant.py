@@ -185,6 +185,37 @@ def test_import_does_not_load_triton():
     assert proc.stdout.strip() == "False"
 
 
+def test_fp8_bi_miss_is_the_hopper_accumulation():
+    """FP8_BI_MISS explained on the CPU (benchmarks/fp8_mma_model.py; no Triton): with exact tile sums
+    the case's W8A8 pipeline is at the BM 16 tiles' 1.7e-3; with the fp8 wgmma's accumulation (each
+    k32 step's terms aligned and truncated to 13 bits) it gives the H200's 2.60e-2 (K = 1) and 2.33e-2
+    (K = 2, weight not on input) within 5%, because one e4m3 code of a large activation, within 3e-4
+    of a rounding tie, flips. With Triton's max_num_imprecise_acc = 32 (restart every k32) the model
+    stays at the exact error there."""
+    from benchmarks import fp8_mma_model as M
+
+    for (woi, K, T) in ((True, 1, 1), (False, 2, 1)):
+        cfg, wq, x, ids, wts, ref = M.bi_miss_case(K, woi, T)
+        exact = M.rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "exact"), ref)
+        hopper = M.rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "hopper"), ref)
+        promoted = M.rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "hopper", promote=32), ref)
+        h200 = M.H200_BI[(woi, K, T)]
+        print(f"woi={woi} K={K} T={T}: exact {exact:.3e} hopper {hopper:.3e} promote32 {promoted:.3e} H200 {h200:.3e}")
+        assert exact < 2e-3 and promoted < 2e-3, (exact, promoted)
+        assert abs(hopper - h200) <= 0.05 * h200, (hopper, h200)
+    # the flipped code: the K = 1 case's activation 82, h / sh = -304.09 against the tie at -304
+    cfg, wq, x, ids, wts, ref = M.bi_miss_case(1, True, 1)
+    ties = M.near_ties(M.expert_pair(x[:1], wq, cfg, int(ids[0, 0]), "exact")[1])
+    dist, idx, v = next(t for t in ties if abs(t[2]) > 256)
+    assert idx == 82 and dist < 3e-4, ties
+    codes = []
+    for mode in ("exact", "hopper"):
+        _, h = M.expert_pair(x[:1], wq, cfg, int(ids[0, 0]), mode)
+        q, _ = M.quantize_fp8_activations(h, M.G)
+        codes.append(q.float()[0])
+    assert codes[0][82] == -320 and codes[1][82] == -288, (codes[0][82], codes[1][82])
+
+
 def test_names_and_formats():
     from moeflow.experts.triton_quant import TritonQuantExperts
 
@@ -559,7 +590,8 @@ def check_fp8_stages(device, dtype, impls, ref_context) -> None:
 def check_fp8_bi_miss_logic() -> None:
     """FP8_BI_MISS's case on the GPU's batch-invariant tiles (BM = 64, BN = BK = 128), not the
     interpreter's narrow ones: the kernels' logic at those tiles is right (measured 1.66e-3 in bf16,
-    as BM = 16 gives), so the H200's 2.6e-2 comes from the sm_90 compile, not from the kernels."""
+    as BM = 16 gives), so the H200's 2.6e-2 comes from the fp8 wgmma's accumulation
+    (test_fp8_bi_miss_is_the_hopper_accumulation), not from the kernels."""
     import dataclasses
 
     from moeflow.experts.triton_quant import TritonQuantExperts, quant_tile_config
@@ -758,11 +790,14 @@ GPU_TOKENS = (1, 7, 64, 257, 1000)
 
 # The one FP8 miss left (2026-12-03, H200): the batch-invariant tiles (BM = 64, fp8 wgmma) on one
 # token of this case give rel-L2 2.6e-2 (K = 1) / 2.3e-2 (K = 2) where BM = 16 tiles give 1.7e-3;
-# weight_on_input and the layout do not matter, T = 7 and 64 agree (2e-3 .. 4e-3), and the same call
-# with the same forced tiles under the Triton interpreter gives 1.66e-3 (the logic is right; the sm_90
-# compile of BM = 64 fp8 tiles differs). Not explained yet (benchmarks/diag_fp8_stages.py --woi has
-# the bisection), so TritonQuantExperts(batch_invariant=True) keeps FP8 opt-in and this case's
-# batch-invariant check is a strict xfail below.
+# T = 7 and 64 agree (2e-3 .. 4e-3), and the same forced tiles under the Triton interpreter give 1.66e-3.
+# Explained (2026-12-04, benchmarks/fp8_mma_model.py, test_fp8_bi_miss_is_the_hopper_accumulation): the
+# fp8 wgmma accumulates each k32 step with its terms aligned and truncated to 13 bits, which moves an
+# activation by ~4e-4 relative; where one sits that close to the midpoint between two e4m3 codes its
+# requantization flips by one code (7-11% of the largest activations), and with one output row that is
+# 2-2.6e-2. The model gives the H200's numbers case by case. The kernels are right; the reference's exact
+# sums fall on the other side of the tie. TritonQuantExperts(batch_invariant=True) keeps FP8 opt-in and
+# this case's batch-invariant check stays a strict xfail below at the 1e-2 bound.
 FP8_BI_MISS = ("fp8", 8, 256, 256, 1, "silu", "matmul", False, False, True)
 
 
@@ -780,8 +815,9 @@ def test_gpu_matches_reference(case):
 
 @gpu
 @needs_gpu
-@pytest.mark.xfail(strict=True, reason="batch-invariant FP8 at T=1 of this case: rel-L2 2.6e-2 on the H200 "
-                                       "(FP8_BI_MISS); FP8 is opt-in in that mode until it is explained")
+@pytest.mark.xfail(strict=True, reason="batch-invariant FP8 at T=1 of this case: rel-L2 2.6e-2 on the H200, "
+                                       "one e4m3 code of a large activation at a rounding tie flipped by the fp8 "
+                                       "wgmma's 13-bit accumulation (FP8_BI_MISS; benchmarks/fp8_mma_model.py)")
 def test_gpu_fp8_batch_invariant_known_miss():
     from moeflow.experts.triton_quant import TritonQuantExperts
 
