@@ -182,25 +182,11 @@ def error_vs(out, ref) -> tuple[float, float]:
 
 
 def patch_interpreter_fp8() -> None:
-    """Dry runs only: Triton 3.6's interpreter rounds f32 -> float8e4nv by its cut-off bit alone (a
-    mantissa carry corrupts the exponent); torch's round-to-nearest-even conversion (what the GPU's
-    cvt.rn does) stands in, so the FP8 check means the same on the CPU as on the GPU."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
+    """Dry runs only: the interpreter's f32 -> float8e4nv (and bf16) rounding as the GPU's
+    (moeflow.testing.patch_interpreter_numerics), so the FP8 check means the same on the CPU as on the GPU."""
+    from moeflow.testing import patch_interpreter_numerics
 
-    orig = interp.InterpreterBuilder.create_fp_to_fp
-    if getattr(orig, "_moeflow_patched", False):
-        return
-
-    def fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
-            return interp.TensorHandle(data.view(torch.uint8).numpy(), tl.float8e4nv)
-        return orig(self, src, dst_type, rounding_mode)
-
-    fp_to_fp._moeflow_patched = True
-    interp.InterpreterBuilder.create_fp_to_fp = fp_to_fp
+    patch_interpreter_numerics()
 
 
 # --------------------------------------------------------------------------- one shape

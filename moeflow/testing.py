@@ -113,12 +113,60 @@ def poisoned_like(t: torch.Tensor, pad_rows: int) -> torch.Tensor:
     return torch.cat([t, pad], dim=0)
 
 
+def patch_interpreter_numerics() -> None:
+    """Triton's interpreter only (tests, dry runs): make Triton 3.6's interpreter compute what the GPU does.
+
+    - tl.dot on bfloat16 operands: the interpreter stores bf16 as uint16 and multiplied those raw bit
+      patterns (np.matmul of the integers: results ~1e10 off, seen in the bf16 rows of the benchmarks'
+      dry runs). bf16 operands are decoded to f32 first (exact), as the GPU's bf16 MMA reads them.
+    - f32 -> bf16 casts: the interpreter truncates (round toward zero: twice the GPU's rounding error,
+      biased); torch's round to nearest even (the GPU's cvt.rn.bf16.f32) stands in.
+    - f32 -> float8e4nv: the interpreter rounds by its cut-off bit alone (a mantissa carry corrupts the
+      exponent); torch's round-to-nearest-even conversion (the GPU's cvt.rn) stands in.
+    Other dtypes are untouched. Idempotent.
+    """
+    import numpy as np
+    import triton.language as tl
+    import triton.runtime.interpreter as interp
+
+    builder = interp.InterpreterBuilder
+    if getattr(builder.create_dot, "_moeflow_patched", False):
+        return
+    orig_dot, orig_cast, orig_fp = builder.create_dot, builder.cast_impl, builder.create_fp_to_fp
+
+    def as_f32(h):
+        if h.dtype.scalar == tl.bfloat16:
+            return interp.TensorHandle((h.data.astype(np.uint32) << 16).view(np.float32), tl.float32)
+        return h
+
+    def create_dot(self, a, b, d, input_precision, max_num_imprecise_acc):
+        return orig_dot(self, as_f32(a), as_f32(b), d, input_precision, max_num_imprecise_acc)
+
+    def cast_impl(self, src, dst_type):
+        if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
+            data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
+            return interp.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
+        return orig_cast(self, src, dst_type)
+
+    def fp_to_fp(self, src, dst_type, rounding_mode):
+        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
+            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
+            return interp.TensorHandle(data.view(torch.uint8).numpy(), tl.float8e4nv)
+        return orig_fp(self, src, dst_type, rounding_mode)
+
+    for name, fn in (("create_dot", create_dot), ("cast_impl", cast_impl), ("create_fp_to_fp", fp_to_fp)):
+        fn._moeflow_patched = True
+        setattr(builder, name, fn)
+
+
 def patch_interpreter_index() -> None:
     """Triton's interpreter only (tests, dry runs): numpy >= 2.4 refuses int() of a 1-element 1-D
     array, which Triton 3.6's interpreter does for loop bounds taken from kernel arguments; take
-    the single element instead. Idempotent."""
+    the single element instead. Every interpreter entry point calls this, so it also applies
+    patch_interpreter_numerics. Idempotent."""
     import triton.runtime.interpreter as interp
 
+    patch_interpreter_numerics()
     orig = interp._patch_lang_tensor
     if getattr(orig, "_moeflow_patched", False):
         return

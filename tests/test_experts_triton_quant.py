@@ -367,42 +367,11 @@ def test_interpreter(check):
 
 
 def _patch_interpreter() -> None:
-    """Test-only fixes of Triton 3.6's interpreter: numpy >= 2.4 index of 1-element arrays (as in
-    test_experts_triton.py), and f32 -> float8e4nv conversion, which the interpreter rounds by its
-    cut-off bit only (a mantissa carry corrupts the exponent); torch's conversion (round to nearest
-    even, as the GPU's cvt.rn) stands in. Likewise f32 -> bf16, which the interpreter truncates
-    (round toward zero: bf16 results 2x the GPU's rounding error, biased); torch's round to nearest
-    even (the GPU's cvt.rn.bf16.f32) stands in."""
-    import numpy as np
-    import triton.language as tl
-    import triton.runtime.interpreter as interp
-
+    """Test-only fixes of Triton 3.6's interpreter (moeflow.testing.patch_interpreter_index: the numpy
+    index, and patch_interpreter_numerics: bf16 dots, f32 -> bf16 and f32 -> e4m3 rounding as the GPU)."""
     from moeflow.testing import patch_interpreter_index
 
     patch_interpreter_index()
-    builder = interp.InterpreterBuilder
-    orig_cast = builder.cast_impl
-    if not getattr(orig_cast, "_moeflow_patched", False):
-        def cast_impl(self, src, dst_type):
-            if dst_type.scalar == tl.bfloat16 and src.dtype.scalar == tl.float32:
-                data = torch.from_numpy(np.ascontiguousarray(src.data, dtype=np.float32)).to(torch.bfloat16)
-                return interp.TensorHandle(data.view(torch.int16).numpy().view(np.uint16), tl.bfloat16)
-            return orig_cast(self, src, dst_type)
-
-        cast_impl._moeflow_patched = True
-        builder.cast_impl = cast_impl
-    orig_fp = builder.create_fp_to_fp
-    if getattr(orig_fp, "_moeflow_patched", False):
-        return
-
-    def fp_to_fp(self, src, dst_type, rounding_mode):
-        if dst_type.scalar == tl.float8e4nv and src.dtype.scalar == tl.float32:
-            data = torch.from_numpy(np.ascontiguousarray(src.data)).to(torch.float8_e4m3fn)
-            return interp.TensorHandle(data.view(torch.uint8).numpy(), tl.float8e4nv)
-        return orig_fp(self, src, dst_type, rounding_mode)
-
-    fp_to_fp._moeflow_patched = True
-    builder.create_fp_to_fp = fp_to_fp
 
 
 INTERP_CASES = [
