@@ -47,10 +47,14 @@ def compile_kernel(fn, types: dict[str, str], consts: dict[str, object], *, arch
 
     if not isinstance(fn, JITFunction):
         fn = fn.fn  # moeflow.kernels.launch.FastKernel
-    params = list(inspect.signature(fn.fn).parameters)
+    sig_params = inspect.signature(fn.fn).parameters
+    params = list(sig_params)
     unknown = sorted((set(types) | set(consts) | set(div16)) - set(params))
     if unknown:
         raise ValueError(f"parameters {unknown} are not in {fn.fn.__name__}{tuple(params)}")
+    # constexprs left out take their defaults, as a launch does (else they would compile as i32 arguments)
+    consts = {**{p: v.default for p, v in sig_params.items() if p not in consts and p not in types
+                 and v.default is not inspect.Parameter.empty and "constexpr" in str(v.annotation)}, **consts}
     sig = {p: "constexpr" if p in consts else types.get(p, "i32") for p in params}
     attrs = {(params.index(p),): [["tt.divisibility", 16]] for p in params if p.endswith("_ptr") or p in div16}
     src = ASTSource(fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)
