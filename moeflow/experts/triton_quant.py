@@ -277,7 +277,9 @@ class TritonQuantExperts:
     # (rel-L2 1.6e-3 .. 2.4e-3), but the batch-invariant tiles (BM = 64, fp8 wgmma) gave 2.6e-2 for
     # one token of an E=8 H=256 I=256 layer where BM = 16 tiles gave 1.7e-3 (T = 7, 64: 2e-3 .. 4e-3;
     # benchmarks/diag_fp8_stages.py --woi; the Triton interpreter runs those BM = 64 tiles within
-    # 1.7e-3, so the sm_90 compile differs, not the logic): the batch-invariant mode keeps FP8 opt-in.
+    # 1.7e-3). Cause (benchmarks/fp8_mma_model.py, which reproduces the H200's numbers): the fp8
+    # wgmma's ~13-bit accumulation flips the e4m3 code of a large activation sitting at a rounding
+    # tie. The batch-invariant mode keeps FP8 opt-in until a fix has run on the GPU.
     # fp8=False leaves fp8_block checkpoints to the reference experts (weight-only dequantization).
     quant_formats = ("fp8_block", "mxfp4", "nvfp4")
 
