@@ -151,26 +151,29 @@ H200_BI = {(True, 1, 1): 2.60e-2, (True, 1, 7): 1.96e-3, (True, 1, 64): 3.52e-3,
            (False, 2, 1): 2.33e-2, (False, 2, 7): 2.48e-3, (False, 2, 64): 3.79e-3}
 
 
-def bi_miss_case(K: int, woi: bool, T: int):
-    """(cfg, wq, x, ids, wts, ref) of FP8_BI_MISS with K slots / weight on input / T tokens, built by the
-    test module's own helpers (the same seeds as the H200 runs)."""
+def _test_module():
+    """tests/test_experts_triton_quant.py: its case builders, reference and rel_l2 (one place for them)."""
     tests = str(ROOT / "tests")
     if tests not in sys.path:
         sys.path.insert(0, tests)
-    from test_experts_triton_quant import FP8_BI_MISS, make_quant_case, make_tokens, reference_quant
+    import test_experts_triton_quant
 
-    fmt, E, H, I, _, act, layout, il, bias, _ = FP8_BI_MISS
-    cfg, wq = make_quant_case(fmt, E, H, I, K, act, layout, il, bias, weight_on_input=woi)
-    x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cpu")
-    ref, _ = reference_quant(x, ids, wts, wq, cfg)
+    return test_experts_triton_quant
+
+
+def bi_miss_case(K: int, woi: bool, T: int):
+    """(cfg, wq, x, ids, wts, ref) of FP8_BI_MISS with K slots / weight on input / T tokens, built by the
+    test module's own helpers (the same seeds as the H200 runs)."""
+    t = _test_module()
+    fmt, E, H, I, _, act, layout, il, bias, _ = t.FP8_BI_MISS
+    cfg, wq = t.make_quant_case(fmt, E, H, I, K, act, layout, il, bias, weight_on_input=woi)
+    x, ids, wts = t.make_tokens(T, H, E, K, torch.bfloat16, "cpu")
+    ref, _ = t.reference_quant(x, ids, wts, wq, cfg)
     return cfg, wq, x, ids, wts, ref
 
 
-def rel_l2(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
-
-
 def main() -> int:
+    rel_l2 = _test_module().rel_l2
     print(f"{'case':24s} {'exact':>9s} {'hopper13':>9s} {'promote32':>9s} {'H200 bi':>9s}")
     for (woi, K, T), h200 in H200_BI.items():
         cfg, wq, x, ids, wts, ref = bi_miss_case(K, woi, T)

@@ -196,9 +196,9 @@ def test_fp8_bi_miss_is_the_hopper_accumulation():
 
     for (woi, K, T) in ((True, 1, 1), (False, 2, 1)):
         cfg, wq, x, ids, wts, ref = M.bi_miss_case(K, woi, T)
-        exact = M.rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "exact"), ref)
-        hopper = M.rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "hopper"), ref)
-        promoted = M.rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "hopper", promote=32), ref)
+        exact = rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "exact"), ref)
+        hopper = rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "hopper"), ref)
+        promoted = rel_l2(M.forward_tokens(x, ids, wts, wq, cfg, "hopper", promote=32), ref)
         h200 = M.H200_BI[(woi, K, T)]
         print(f"woi={woi} K={K} T={T}: exact {exact:.3e} hopper {hopper:.3e} promote32 {promoted:.3e} H200 {h200:.3e}")
         assert exact < 2e-3 and promoted < 2e-3, (exact, promoted)
