@@ -13,9 +13,16 @@ clock drift of compute-bound steps falls on all of them alike:
                    = False: the kernels before 2026-12-04's fourth session), default tiles
     fp8_ptr        pointer kernels, one weight scale a tile and K step, scales loaded a step ahead
     fp8            TritonQuantExperts() as it runs by default (TMA kernels on Hopper where the tiles allow)
+    fp8_2dot       fp8 with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False)
+    bf16_2dot      bf16 with the same (moeflow.kernels.moe_gemm_tma.py: FUSED)
+    fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
+                   accumulation every FP8_BI_IMPRECISE_ACC products (64)
+    fp8_bi32       the same every 32 products
+    fp8_bi_acc     the same with Triton's default accumulation (FP8_BI_IMPRECISE_ACC = None)
     t:<name>       forced tiles (TMA where allowed): see _TILES
 Every fp8 variant is checked against the W8A8 reference (rel-L2, max-abs) before it is timed; fp8 and
-each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels).
+each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels), and each
+"X_2dot" with "X" (the fused and the two-dot gate_up give the same bits).
 
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --shapes deepseek-v3 --tokens 2048,8192 --json out.json
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --dry-run     # CPU: Triton interpreter, tiny shape
@@ -82,6 +89,33 @@ def _percol():
         TQ.FP8_SCALAR_WS = True
 
 
+@contextlib.contextmanager
+def _two_dot():
+    """The TMA gate_up kernels' two-dot form while the body runs (capture time)."""
+    import moeflow.experts.triton as TE
+
+    TE.FUSED_GATE_UP = False
+    try:
+        yield
+    finally:
+        TE.FUSED_GATE_UP = True
+
+
+def _bi_acc(value):
+    """A context: FP8_BI_IMPRECISE_ACC = value while the body runs (capture time)."""
+    @contextlib.contextmanager
+    def ctx():
+        import moeflow.experts.triton_quant as TQ
+
+        saved, TQ.FP8_BI_IMPRECISE_ACC = TQ.FP8_BI_IMPRECISE_ACC, value
+        try:
+            yield
+        finally:
+            TQ.FP8_BI_IMPRECISE_ACC = saved
+
+    return ctx
+
+
 def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
     E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
     ids, wts = routing(T, E, K, args.dist, dev, seed=args.seed)
@@ -97,7 +131,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         try:
             with ctx():
                 out = fn()
-            if vname != "bf16":
+            if not vname.startswith("bf16"):  # the bf16 rows are the denominator, not W8A8
                 row["rel_l2_vs_w8a8_ref"], row["max_abs_vs_w8a8_ref"] = error_vs(out.float(), ref)
                 row["tiles"] = impl.tile_config_for(w_use, K, T).to_dict()
                 if not row["rel_l2_vs_w8a8_ref"] <= args.check_rel_l2:
@@ -115,10 +149,12 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         except Exception as exc:  # a variant that cannot run says so
             row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
-    for r in rows:  # "X" against "X_ptr": the same tiles through the pointer kernels
-        twin = outs.get(r["variant"] + "_ptr")
-        if r["variant"] in outs and twin is not None:
-            r["bitwise_vs_ptr"] = bool(torch.equal(outs[r["variant"]].view(torch.int16), twin.view(torch.int16)))
+    for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" against "X"
+        v = r["variant"]
+        for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
+                          ("bitwise_vs_fused", outs.get(v[: -len("_2dot")]) if v.endswith("_2dot") else None)):
+            if v in outs and twin is not None:
+                r[key] = bool(torch.equal(outs[v].view(torch.int16), twin.view(torch.int16)))
     if fns and dev.type == "cuda":
         times = time_cuda_graphs_interleaved(fns, rounds=args.rounds, reps=args.reps)
         base = times.get("bf16")
@@ -133,7 +169,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         extra = "" if "us" not in r else (f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
                                           f"x{r.get('speedup_vs_bf16', float('nan')):.3f} vs bf16")
         err = f" rel-L2 {r['rel_l2_vs_w8a8_ref']:.2e}" if "rel_l2_vs_w8a8_ref" in r else ""
-        bit = f" bitwise_vs_ptr={r['bitwise_vs_ptr']}" if "bitwise_vs_ptr" in r else ""
+        bit = "".join(f" {k}={r[k]}" for k in ("bitwise_vs_ptr", "bitwise_vs_fused") if k in r)
         print(f"{name:18s} T={T:5d} {r['variant']:14s} {r['status'][:80]:4s} {extra}{err}{bit}", flush=True)
     return rows
 
@@ -142,7 +178,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shapes", default="deepseek-v3")
     ap.add_argument("--tokens", default="2048,8192")
-    ap.add_argument("--variants", default="bf16,fp8_percol,fp8_ptr,fp8," + ",".join(f"t:{k}" for k in _TILES))
+    ap.add_argument("--variants", default="bf16,bf16_2dot,fp8_percol,fp8_ptr,fp8,fp8_2dot,"
+                    + ",".join(f"t:{k}" for k in _TILES))
     ap.add_argument("--dist", default="uniform", choices=("uniform", "zipf"))
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--reps", type=int, default=3)
@@ -162,7 +199,8 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = "bf16,fp8_percol,fp8_ptr,fp8," + ",".join(f"t:{k}" for k in _TILES_DRY)
+        args.variants = ("bf16,bf16_2dot,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_bi,fp8_bi32,fp8_bi_acc,"
+                         + ",".join(f"t:{k}" for k in _TILES_DRY))
     dev = torch.device("cpu" if dry else "cuda")
     tiles = _TILES_DRY if dry else _TILES
     meta = env_info()
@@ -178,13 +216,20 @@ def main(argv=None) -> int:
         impls = {}
         for v in args.variants.split(","):
             if v == "bf16":
-                impls[v] = (TritonExperts(allow_cpu=dry), plain, contextlib.nullcontext)
+                impls[v] = (TritonExperts(allow_cpu=dry, tma=True if dry else None), plain, contextlib.nullcontext)
+            elif v == "bf16_2dot":
+                impls[v] = (TritonExperts(allow_cpu=dry, tma=True if dry else None), plain, _two_dot)
             elif v == "fp8_percol":
                 impls[v] = (TritonQuantExperts(tma=False, **kw), wq, _percol)
             elif v == "fp8_ptr":
                 impls[v] = (TritonQuantExperts(tma=False, **kw), wq, contextlib.nullcontext)
             elif v == "fp8":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, contextlib.nullcontext)
+            elif v == "fp8_2dot":
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
+            elif v in ("fp8_bi", "fp8_bi32", "fp8_bi_acc"):
+                ctx = {"fp8_bi": contextlib.nullcontext, "fp8_bi32": _bi_acc(32), "fp8_bi_acc": _bi_acc(None)}[v]
+                impls[v] = (TritonQuantExperts(batch_invariant=True, tma=True if dry else None, **kw), wq, ctx)
             elif v.startswith("t:"):
                 impls[v] = (TritonQuantExperts(tile_config=tiles[v[2:]], tma=True if dry else None, **kw), wq,
                             contextlib.nullcontext)

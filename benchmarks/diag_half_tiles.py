@@ -10,6 +10,8 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     bi        what TritonExperts(batch_invariant=True) runs there
     bi_half   bi with half_tail flipped (128-row bi tiles only)
     bi_pers   bi with both GEMMs in the persistent TMA form (same tiles, same bits)
+    two_dot   table with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False; the
+              default is one [BM, 2BN] dot a K step, moeflow/kernels/moe_gemm_tma.py: FUSED)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
@@ -59,7 +61,24 @@ def variants(table: MoETileConfig, bi: MoETileConfig) -> dict[str, MoETileConfig
         out["bi_half"] = dataclasses.replace(bi, half_tail=not bi.half_tail)
     out["bi_pers"] = dataclasses.replace(bi, gate_up=dataclasses.replace(bi.gate_up, persistent=True),
                                          down=dataclasses.replace(bi.down, persistent=True))
+    out["two_dot"] = table
     return out
+
+
+class TwoDot:
+    """An impl run with the TMA gate_up's two-dot form (the flag is read at launch, so at graph capture)."""
+
+    def __init__(self, impl):
+        self.impl = impl
+
+    def forward_tokens(self, *args):
+        import moeflow.experts.triton as TE
+
+        TE.FUSED_GATE_UP = False
+        try:
+            return self.impl.forward_tokens(*args)
+        finally:
+            TE.FUSED_GATE_UP = True
 
 
 def mm_roof(step_s: float, dev) -> tuple[object, float]:
@@ -140,7 +159,10 @@ def main(argv=None) -> int:
         for dist in args.routing.split(","):
             ids, wts = routing(T, E, K, dist, dev)
             x = torch.randn(T, H, device=dev, dtype=dtype)
-            impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c) for v, c in named.items()}
+            # the interpreter takes the TMA kernels only when asked (tma=True), the GPU by default
+            impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c, tma=True if cpu else None)
+                     for v, c in named.items()}
+            impls["two_dot"] = TwoDot(impls["two_dot"])
             outs = {v: impl.forward_tokens(x, ids, wts, w, cfg).clone() for v, impl in impls.items()}
             fns = {v: (lambda impl=impl, a=(x, ids, wts, w, cfg): impl.forward_tokens(*a)) for v, impl in impls.items()}
             if peer is not None:

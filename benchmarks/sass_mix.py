@@ -75,18 +75,54 @@ def sass_text(kernel) -> str:
         os.unlink(f.name)
 
 
-def longest_loop(sass: str) -> list[str]:
-    """Lines of the longest backward-branch loop (label .. branch), the kernel's main loop."""
-    lines = sass.splitlines()
-    best: tuple[int, int] | None = None
+def _loops(lines: list[str]):
+    """(label line, branch line) of every backward-branch loop in a SASS listing."""
     for i, line in enumerate(lines):
         m = re.search(r"BRA\s+`?\(\.(L_x_\d+)\)", line)
         if not m:
             continue
         j = next((k for k, t in enumerate(lines) if t.startswith("." + m.group(1) + ":")), None)
-        if j is not None and j < i and (best is None or i - j > best[1] - best[0]):
-            best = (j, i)
+        if j is not None and j < i:
+            yield j, i
+
+
+def longest_loop(sass: str) -> list[str]:
+    """Lines of the longest backward-branch loop (label .. branch), the kernel's main loop."""
+    lines = sass.splitlines()
+    best = max(_loops(lines), key=lambda r: r[1] - r[0], default=None)
     return lines[best[0]: best[1] + 1] if best else []
+
+
+def gmma_loop(sass: str) -> list[str]:
+    """Lines of the shortest backward-branch loop holding a wgmma (HGMMA / QGMMA): a GEMM's K loop.
+
+    longest_loop is wrong for kernels whose epilogue has loops of its own (the IEEE-division slow
+    paths of the FP8 quantization, say); the K loop is the innermost loop around the MMAs.
+    """
+    lines = sass.splitlines()
+    best = min(((j, i) for j, i in _loops(lines) if any("GMMA." in t for t in lines[j:i])),
+               key=lambda r: r[1] - r[0], default=None)
+    return lines[best[0]: best[1] + 1] if best else []
+
+
+def register_usage(kernel, arch: str = "sm_90a") -> tuple[int, int]:
+    """(registers per thread, spill-store bytes) of a compiled kernel, from Triton's bundled ptxas -v
+    on its PTX (kernel.n_regs / n_spills need a GPU to load the binary)."""
+    from triton.backends.nvidia import compiler as nvc
+
+    tool = os.path.join(os.path.dirname(nvc.__file__), "bin", "ptxas")
+    with tempfile.NamedTemporaryFile(suffix=".ptx", delete=False, mode="w") as f:
+        f.write(kernel.asm["ptx"])
+    try:
+        err = subprocess.run([tool, "-v", f"-arch={arch}", f.name, "-o", os.devnull], capture_output=True,
+                             text=True, check=True).stderr
+    finally:
+        os.unlink(f.name)
+    regs = re.search(r"Used (\d+) registers", err)
+    spill = re.search(r"(\d+) bytes spill stores", err)
+    if regs is None or spill is None:
+        raise RuntimeError(f"ptxas -v printed no register / spill line:\n{err}")
+    return int(regs.group(1)), int(spill.group(1))
 
 
 def opcode_mix(lines: list[str]) -> collections.Counter:

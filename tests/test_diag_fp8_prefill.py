@@ -1,5 +1,6 @@
 """benchmarks/diag_fp8_prefill.py: its dry run (CPU, Triton interpreter) builds every variant, checks each
-against the W8A8 reference and the TMA kernels bitwise against the pointer kernels, and fails on any error."""
+against the W8A8 reference, the TMA kernels bitwise against the pointer kernels and the fused gate_up
+against the two-dot form, and fails on any error."""
 
 import importlib.util
 import subprocess
@@ -20,6 +21,8 @@ def test_dry_run():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "7 ok, 0 not" in out, out
+    assert "12 ok, 0 not" in out, out
     # the TMA kernels (t:bm64, BM 64) equal the pointer kernels at the same tiles
     assert out.count("bitwise_vs_ptr=True") == 2 and "bitwise_vs_ptr=False" not in out, out
+    # the fused gate_up (one [BM, 2BN] dot) equals the two-dot form, bf16 and fp8
+    assert out.count("bitwise_vs_fused=True") == 2 and "bitwise_vs_fused=False" not in out, out

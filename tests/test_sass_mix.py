@@ -52,3 +52,60 @@ def test_unknown_parameter_is_named():
 
     with pytest.raises(ValueError, match="no_such_param"):
         compile_kernel(moe_down_w4_gemv_kernel, dict(GEMV_TYPES, no_such_param="*u8"), {})
+
+
+FP8_GU_TYPES = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", ws_ptr="*fp32", aq_ptr="*fp8e4nv", as_ptr="*fp32",
+                    sorted_ptr="*i32", block_expert_ptr="*i32", limit="fp32", alpha="fp32")
+BF16_GU_TYPES = dict(x_ptr="*bf16", act_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32", limit="fp32",
+                     alpha="fp32")
+
+
+def _gate_up_loop(fused: bool, fp8: bool):
+    """(K-loop lines, whole SASS, (registers, spill bytes)) of a TMA gate_up kernel at its prefill
+    tiles: fp8 BM 64, BN 128, BK 128, 8 warps, 4 stages; bf16 BM 128, BN 128, BK 64, 8 warps, 4 stages."""
+    from benchmarks.sass_mix import compile_kernel, gmma_loop, register_usage, sass_text
+
+    if fp8:
+        from moeflow.kernels.moe_gemm_fp8_tma import moe_gate_up_fp8_tma_kernel as fn
+
+        bm, bn, bk, ty = 64, 128, 128, "fp8e4nv"
+        types = dict(FP8_GU_TYPES)
+        consts = dict(ACT=0, SCALE_E8M0=False, PERSISTENT=False, NUM_PROGS=1)
+        div16 = ("H", "I", "stride_xq", "stride_aq")
+    else:
+        from moeflow.kernels.moe_gemm_tma import moe_gate_up_tma_kernel as fn
+
+        bm, bn, bk, ty = 128, 128, 64, "bf16"
+        types = dict(BF16_GU_TYPES)
+        consts = dict(ACT=0, PERSISTENT=False, WS=False, NUM_PROGS=1, HALF_TAIL=False)
+        div16 = ("H", "I", "stride_xt", "stride_ap")
+    types["wd"] = f"tensordesc<{ty}[1,{bn // 8},2,8,{bk}]>" if fused else f"tensordesc<{ty}[{bn},{bk}]>"
+    consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PDL=True, FUSED=fused)
+    k = compile_kernel(fn, types, consts, num_warps=8, num_stages=4, div16=div16)
+    sass = sass_text(k)
+    return gmma_loop(sass), sass, register_usage(k)
+
+
+@needs_tools
+@pytest.mark.parametrize("fp8", [True, False], ids=["fp8", "bf16"])
+def test_fused_gate_up_issues_half_the_wgmmas_twice_as_wide(fp8):
+    """moe_gemm_tma.py FUSED: one [BM, 2BN] dot a K step compiles (sm_90a) to half as many wgmmas of
+    twice the N, no more waits (fp8: one a step instead of two), no spill, no select or shared-memory traffic added to the K loop,
+    and an epilogue split without a shared-memory round trip (as many STS as the two-dot form)."""
+    two, sass_two, (regs_two, spill_two) = _gate_up_loop(False, fp8)
+    one, sass_one, (regs_one, spill_one) = _gate_up_loop(True, fp8)
+    wide, narrow = (("QGMMA.64x128x32", "QGMMA.64x64x32") if fp8 else ("HGMMA.64x256x16", "HGMMA.64x128x16"))
+
+    def count(lines, what):  # instructions in the loop whose text holds `what` (opcode and shape)
+        return sum(what in line for line in lines)
+
+    assert count(two, narrow) > 0 and count(two, wide) == 0, "\n".join(two)
+    assert count(one, wide) == count(two, narrow) // 2 and count(one, narrow) == 0, "\n".join(one)
+    # fp8 waits on each scaled product (two waits a step before); bf16's chained dots wait once either way
+    waits_one, waits_two = count(one, "WARPGROUP.DEPBAR"), count(two, "WARPGROUP.DEPBAR")
+    assert waits_one * 2 == waits_two if fp8 else waits_one <= waits_two, "\n".join(one)
+    assert spill_one == 0 and spill_two == 0, (spill_one, spill_two)
+    assert regs_one <= max(regs_two, 255), (regs_one, regs_two)
+    for op in (" FSEL ", " STS", " LDS"):
+        assert count(one, op) <= count(two, op), (op, "\n".join(one))
+    assert sass_one.count("STS") == sass_two.count("STS"), "the fused epilogue's split went through shared memory"

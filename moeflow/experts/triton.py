@@ -101,6 +101,32 @@ def _tma_device(index: int) -> bool:
     return wanted and torch.cuda.get_device_capability(index)[0] >= 9
 
 
+# The TMA gate_up kernels' fused form (moeflow/kernels/moe_gemm_tma.py: FUSED): one [BM, 2BN] dot per
+# K step over gate and up rows interleaved 8 by 8. A module flag so the diagnostics can A/B it.
+FUSED_GATE_UP = True
+
+
+def fused_gate_up_ok(I: int, block_n: int) -> bool:
+    """Whether the fused gate_up box serves this shape: 8 | BN (the interleave) and BN | I."""
+    return FUSED_GATE_UP and block_n % 8 == 0 and I % block_n == 0
+
+
+def gate_up_descriptor(W_ENK: torch.Tensor, block_n: int, block_k: int, fused: bool):
+    """TensorDescriptor over a contiguous gate_up W_ENK [E, 2I, H] (linear layout, gate rows then up rows).
+
+    fused: the 5D view [E, I/8, 2, 8, H] (strides 2IH, 8H, IH, H, 1), block [1, BN/8, 2, 8, BK]:
+    BN gate rows and their BN up rows, interleaved 8 by 8, in one copy. Else [E*2I, H], block [BN, BK].
+    """
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    E, N2, H = W_ENK.shape
+    I = N2 // 2
+    if not fused:
+        return TensorDescriptor(W_ENK, shape=[E * N2, H], strides=[H, 1], block_shape=[block_n, block_k])
+    return TensorDescriptor(W_ENK, shape=[E, I // 8, 2, 8, H], strides=[N2 * H, 8 * H, I * H, H, 1],
+                            block_shape=[1, block_n // 8, 2, 8, block_k])
+
+
 def tma_wanted(tma: bool | None, dev: torch.device) -> bool:
     """An impl's `tma` setting resolved for weights on `dev`: True / False as given; None (default)
     on CUDA devices where _tma_device says so."""
@@ -460,13 +486,12 @@ def persistent_programs(t, dev: torch.device) -> int:
 def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
                         config: MoEConfig) -> None:
     """_launch_gate_up with the weight tiles by TMA (the caller checked the layout and shape)."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from ..kernels.moe_gemm_tma import moe_gate_up_tma_kernel
 
     t = plan.cfg.gate_up
-    E, H, I = w.gate_up.shape[0], plan.H, plan.I
-    wd = TensorDescriptor(w.gate_up, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[t.block_n, t.block_k])
+    H, I = plan.H, plan.I
+    fused = fused_gate_up_ok(I, t.block_n)
+    wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
     progs = persistent_programs(t, plan.act_PI.device)
     moe_gate_up_tma_kernel[(progs or tiles,)](
@@ -476,7 +501,7 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
         ACT=_ACT_CODES[config.activation], PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs),
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm,
-        launch_pdl=plan.pdl,
+        FUSED=fused, launch_pdl=plan.pdl,
     )
 
 

@@ -41,8 +41,8 @@ Modes:
                                               for every T, no split-K, never the GEMV path: a token's
                                               output bits do not depend on the batch (activation
                                               quantization is per token, so it never mixes rows either).
-                                              FP8 only with fp8=True (one H200 accuracy miss not yet
-                                              explained: see quant_formats' comment).
+                                              Its fp8 dots restart the wgmma's reduced-precision
+                                              accumulation every FP8_BI_IMPRECISE_ACC products.
 Both are deterministic run to run. fp8=False: FP4 formats only (fp8_block layers then run the
 reference experts when "auto" chooses).
 
@@ -74,6 +74,8 @@ from .triton import (
     _launch_tma,
     _tma_weights_ok,
     combine_launch,
+    fused_gate_up_ok,
+    gate_up_descriptor,
     max_blocks_for,
     persistent_programs,
     tma_wanted,
@@ -109,6 +111,13 @@ FP4_DECODE_ASM = True
 # instructions (a pointer and a load per column scale), to 180 registers and 208 (benchmarks/
 # sass_mix.py). False keeps the per-column scales everywhere (A/B, benchmarks/diag_fp8_prefill.py).
 FP8_SCALAR_WS = True
+# The batch-invariant mode's fp8 dots take max_num_imprecise_acc = this (None: Triton's default). The fp8
+# wgmma accumulates a K tile's k32 steps at ~13 bits (benchmarks/fp8_mma_model.py), which flips the
+# requantized activation's e4m3 code where it sits at a rounding tie (FP8_BI_MISS: 2.6e-2 at T = 1).
+# 64 restarts that accumulation every two k32 steps with an f32 sum in between: the model puts
+# FP8_BI_MISS's cases at <= 6.4e-3 (32: the same, at 192 instead of 64 extra FADDs a K step and a
+# wait per k32; sm_90a compile of the BM 64 gate_up: 253 registers, no spill, 2 waits a K step).
+FP8_BI_IMPRECISE_ACC: int | None = 64
 
 
 def _gemv_asm(t: torch.Tensor) -> bool:
@@ -279,14 +288,17 @@ class TritonQuantExperts:
     # benchmarks/diag_fp8_stages.py --woi; the Triton interpreter runs those BM = 64 tiles within
     # 1.7e-3). Cause (benchmarks/fp8_mma_model.py, which reproduces the H200's numbers): the fp8
     # wgmma's ~13-bit accumulation flips the e4m3 code of a large activation sitting at a rounding
-    # tie. The batch-invariant mode keeps FP8 opt-in until a fix has run on the GPU.
-    # fp8=False leaves fp8_block checkpoints to the reference experts (weight-only dequantization).
+    # tie. Fix: the batch-invariant mode's fp8 dots restart that accumulation every
+    # FP8_BI_IMPRECISE_ACC products with f32 sums in between (H100, 2026-12-05: the case within 1e-2,
+    # bitwise batch invariant, and +10% time over the default mode at deepseek-v3 T = 8192), so FP8 is
+    # on in both modes. fp8=False leaves fp8_block checkpoints to the reference experts (weight-only
+    # dequantization).
     quant_formats = ("fp8_block", "mxfp4", "nvfp4")
 
     def __init__(self, *, batch_invariant: bool = False, tile_config: MoETileConfig | None = None,
                  allow_cpu: bool = False, fp8: bool | None = None, tma: bool | None = None) -> None:
         if fp8 is None:
-            fp8 = not batch_invariant  # see quant_formats' comment
+            fp8 = True  # both modes (see quant_formats' comment)
         if not isinstance(fp8, bool):
             raise TypeError(f"TritonQuantExperts.fp8={fp8!r}: expected a bool or None")
         if not fp8:
@@ -395,7 +407,8 @@ class TritonQuantExperts:
                              combine_weights=not on_input)
         cfg = self.tile_config_for(w, K, T)
         return _run(x_TH, ids_N, wts_N, T, K, w, config, cfg,
-                    weight_on_input=on_input, combine_weights=not on_input, tma=tma_wanted(self.tma, w.device))
+                    weight_on_input=on_input, combine_weights=not on_input, tma=tma_wanted(self.tma, w.device),
+                    imprecise=self._imprecise())
 
     def forward_pairs(self, x_NH: torch.Tensor, expert_N: torch.Tensor, w: ExpertWeights,
                       config: MoEConfig) -> torch.Tensor:
@@ -426,7 +439,11 @@ class TritonQuantExperts:
             return _run_gemv(x_NH, ids_N, None, N, 1, w, config, weight_on_input=False, combine_weights=False)
         cfg = self.tile_config_for(w, config.top_k, max(1, N // config.top_k))
         return _run(x_NH, ids_N, None, N, 1, w, config, cfg, weight_on_input=False, combine_weights=False,
-                    tma=tma_wanted(self.tma, w.device))
+                    tma=tma_wanted(self.tma, w.device), imprecise=self._imprecise())
+
+    def _imprecise(self) -> int | None:
+        """The fp8 dots' max_num_imprecise_acc for this mode (FP8_BI_IMPRECISE_ACC when batch-invariant)."""
+        return FP8_BI_IMPRECISE_ACC if self.batch_invariant else None
 
     # ------------------------------------------------------------------ checks
     def _check_common(self, w: ExpertWeights, config: MoEConfig) -> None:
@@ -495,6 +512,7 @@ class _Plan:
         self.pdl = pdl_for(dev)
         self.pdl_gemm = gemm_mode(self.pdl)
         self.tma = False  # set by _run: the fp8 GEMMs may take TMA tiles
+        self.imprecise: int | None = None  # set by _run: the fp8 dots' max_num_imprecise_acc
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -554,7 +572,7 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
             xq.stride(0), xs.stride(0), *gu.stride(), *ws.stride(), gub.stride(0),
             plan.aq_PI.stride(0), plan.as_PG.stride(0), act.stride(0), limit, alpha,
             SCALE_E8M0=ws.dtype == torch.uint8, EVEN_K=plan.H % t.block_k == 0, QUANT_OUT=plan.quant_out,
-            SCALAR_WS=_fp8_scalar_ws(t, sbn), **common,
+            SCALAR_WS=_fp8_scalar_ws(t, sbn), IMPRECISE=_imprecise_acc(plan, t), **common,
         )
         if not plan.quant_out:
             # Every placed row, padding rows included (their values are never stored by down).
@@ -600,7 +618,8 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
             plan.N, plan.H, plan.I, plan.max_blocks, k_tiles_per_split, sbn,
             plan.aq_PI.stride(0), plan.as_PG.stride(0), *dn.stride(), *ws.stride(),
             db.stride(0), y.stride(0), y.stride(1),
-            SCALE_E8M0=ws.dtype == torch.uint8, SCALAR_WS=_fp8_scalar_ws(t, sbn), **common,
+            SCALE_E8M0=ws.dtype == torch.uint8, SCALAR_WS=_fp8_scalar_ws(t, sbn),
+            IMPRECISE=_imprecise_acc(plan, t), **common,
         )
         return
     s = w.down_scale.view(torch.uint8)
@@ -612,6 +631,12 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
         y.stride(0), y.stride(1),
         FMT=_FORMAT_CODES[plan.fmt], G=plan.G, ASM=_fp4_asm(dn, t.block_n, t.block_k, t.num_warps), **common,
     )
+
+
+def _imprecise_acc(plan: _Plan, t: GemmTile) -> int | None:
+    """The fp8 dots' max_num_imprecise_acc for tile t: plan.imprecise where it is below the dot's K
+    (BK); None (Triton's default) else, which then means the same: one restart a K tile, at the scale."""
+    return plan.imprecise if plan.imprecise is not None and plan.imprecise < t.block_k else None
 
 
 def _fp8_scalar_ws(t: GemmTile, sbn: int) -> bool:
@@ -628,14 +653,13 @@ def _fp8_tma_ok(plan: _Plan, t: GemmTile, sbn: int) -> bool:
 def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top_k_div: int, w: ExpertWeights,
                             ws: torch.Tensor, limit: float, alpha: float, config: MoEConfig) -> None:
     """The fp8 gate_up with TMA weight tiles (the caller checked the shapes): aq_PI / as_PG."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
     from ..kernels.moe_gemm_fp8_tma import moe_gate_up_fp8_tma_kernel
 
     t = plan.cfg.gate_up
-    E, H, I = w.gate_up.shape[0], plan.H, plan.I
+    H, I = plan.H, plan.I
     sbn = w.quant.block[0]
-    wd = TensorDescriptor(w.gate_up, shape=[E * 2 * I, H], strides=[H, 1], block_shape=[t.block_n, t.block_k])
+    fused = fused_gate_up_ok(I, t.block_n)
+    wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
     progs = persistent_programs(t, plan.aq_PI.device)
     moe_gate_up_fp8_tma_kernel[(progs or tiles,)](
@@ -644,7 +668,8 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
         xq.stride(0), xs.stride(0), *ws.stride(), plan.aq_PI.stride(0), plan.as_PG.stride(0), limit, alpha,
         ACT=_ACT_CODES[config.activation], SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0,
         NUM_PROGS=max(1, progs), BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+        GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, FUSED=fused,
+        IMPRECISE=_imprecise_acc(plan, t), launch_pdl=plan.pdl,
     )
 
 
@@ -666,19 +691,22 @@ def _launch_fp8_down_tma(plan: _Plan, w: ExpertWeights, ws: torch.Tensor) -> Non
         w.quant.block[0], plan.as_PG.stride(0), *ws.stride(), y.stride(1),
         SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0, NUM_PROGS=max(1, progs), BLOCK_M=BM,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+        num_stages=t.num_stages, PDL=plan.pdl_gemm, IMPRECISE=_imprecise_acc(plan, t), launch_pdl=plan.pdl,
     )
 
 
 def _run(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, cfg: MoETileConfig, *,
-         weight_on_input: bool, combine_weights: bool, tma: bool = False) -> torch.Tensor:
+         weight_on_input: bool, combine_weights: bool, tma: bool = False, imprecise: int | None = None
+         ) -> torch.Tensor:
     """Launch the pipeline for T rows of x with K slots each (K=1 for forward_pairs); tma: the fp8
-    GEMMs may take TMA tiles (TritonQuantExperts.tma resolved)."""
+    GEMMs may take TMA tiles (TritonQuantExperts.tma resolved); imprecise: the fp8 dots'
+    max_num_imprecise_acc (FP8_BI_IMPRECISE_ACC in the batch-invariant mode)."""
     from ..kernels.moe_align import align_launch
 
     check_tile_config(cfg, w.quant.format, quant_group(w.quant))
     plan = _Plan(x_MH, T, K, w, cfg)
     plan.tma = tma
+    plan.imprecise = imprecise
     align_launch(ids_N, plan.E, cfg.block_m, plan.sorted_P, plan.block_expert_B, pdl=plan.pdl)
     if weight_on_input:
         # llama4: the expert's input is (w * x) rounded to x's dtype, made once before the GEMMs.

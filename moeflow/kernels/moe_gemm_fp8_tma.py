@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .moe_gemm import _activate, _tile_ids
 from .moe_gemm_quant import _fp8_quant_store, _fp8_row_scale
+from .moe_gemm_tma import split_gate_up8
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -34,8 +35,14 @@ def _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
                       num_pairs, H, I, top_k, num_m, sbn, g_rows,
                       stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
                       ACT: tl.constexpr, SCALE_E8M0: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
-    """aq_PI / as_PG of work tile `tile` (an empty block, expert < 0, does nothing)."""
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None):
+    """aq_PI / as_PG of work tile `tile` (an empty block, expert < 0, does nothing).
+
+    FUSED: one [BM, 2BN] dot per K step over the gate and up rows interleaved 8 by 8 (moe_gemm_tma.py's
+    docstring says why); each column's product is scaled by its own half's (sa * sw), so the same
+    FFMA per element as the two-dot form.
+    """
     pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
@@ -51,20 +58,34 @@ def _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
         su_ptr = sg_ptr + g_rows * stride_wsn
         cg = _fp8_row_scale(xs_ptrs, sg_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
         cu = _fp8_row_scale(xs_ptrs, su_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         n_kt = H // BLOCK_K
-        for kt in range(0, n_kt):
-            kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
-            cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-            cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-            a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
-            wg = wd.load([row_g, kt * BLOCK_K])
-            wu = wd.load([row_g + I, kt * BLOCK_K])
-            g += tl.dot(a, wg.T) * cg[:, None]
-            u += tl.dot(a, wu.T) * cu[:, None]
-            cg = cg_next
-            cu = cu_next
+        if FUSED:
+            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+            is_g = ((tl.arange(0, 2 * BLOCK_N) // 8) % 2 == 0)[None, :]  # static per register: no select left
+            for kt in range(0, n_kt):
+                kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
+                cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+                cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+                a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
+                w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, kt * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+                acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * tl.where(is_g, cg[:, None], cu[:, None])
+                cg = cg_next
+                cu = cu_next
+            g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
+        else:
+            g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+            for kt in range(0, n_kt):
+                kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
+                cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+                cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+                a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
+                wg = wd.load([row_g, kt * BLOCK_K])
+                wu = wd.load([row_g + I, kt * BLOCK_K])
+                g += tl.dot(a, wg.T, max_num_imprecise_acc=IMPRECISE) * cg[:, None]
+                u += tl.dot(a, wu.T, max_num_imprecise_acc=IMPRECISE) * cu[:, None]
+                cg = cg_next
+                cu = cu_next
         out = _activate(g, u, limit, alpha, ACT)
         offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         _fp8_quant_store(out, offs_p.to(tl.int64), row_ok, offs_j, offs_j < I, pid_n, aq_ptr, as_ptr, stride_aq,
@@ -78,11 +99,12 @@ def moe_gate_up_fp8_tma_kernel(
     stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
     ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
 ):
     """aq_PI / as_PG like moe_gemm_quant.moe_gate_up_fp8_kernel (QUANT_OUT, SCALAR_WS).
 
-    wd: TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [BN, BK].
+    wd: TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the
+    5D view [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
@@ -92,18 +114,19 @@ def moe_gate_up_fp8_tma_kernel(
             _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, tile,
                               num_pairs, H, I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse,
                               stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FUSED, IMPRECISE)
     else:
         _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr,
                           tl.program_id(0), num_pairs, H, I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs,
                           stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FUSED, IMPRECISE)
 
 
 @triton.jit
 def _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, sbn,
                    stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0: tl.constexpr,
-                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr):
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                   IMPRECISE: tl.constexpr = None):
     """y_NH of work tile `tile` (an empty block does nothing)."""
     pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
@@ -122,7 +145,7 @@ def _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, 
             c_next = _fp8_row_scale(as_ptrs, sw_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk, row_ok, SCALE_E8M0)
             a = ad.load([p0, kt * BLOCK_K])
             w = wd.load([row_w, kt * BLOCK_K])
-            acc += tl.dot(a, w.T) * c[:, None]
+            acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * c[:, None]
             c = c_next
         offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
@@ -135,7 +158,7 @@ def moe_down_fp8_tma_kernel(
     num_pairs, H, I, num_m, num_tiles, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
     SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
 ):
     """y_NH[pair] like moe_gemm_quant.moe_down_fp8_kernel with one split (SCALAR_WS).
 
@@ -148,8 +171,8 @@ def moe_down_fp8_tma_kernel(
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m,
                            sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0,
-                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                           BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, IMPRECISE)
     else:
         _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H,
                        I, num_m, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, IMPRECISE)

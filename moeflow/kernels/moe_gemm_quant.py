@@ -261,7 +261,7 @@ def moe_gate_up_fp8_kernel(
     ACT: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
     QUANT_OUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False, SCALAR_WS: tl.constexpr = False,
+    PDL: tl.constexpr = False, SCALAR_WS: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
 ):
     """Grid (max_blocks * cdiv(I, BN),). aq_PI / as_PG for the block's rows and BN columns of I.
 
@@ -273,6 +273,8 @@ def moe_gate_up_fp8_kernel(
     the same f32 values through the same _fp8_quant_groups, so the same bits.
     SCALAR_WS (BN divides sbn): one weight scale a tile and K step, acc + dot * (sa * sw) with the
     next step's scales loaded ahead (_fp8_row_scale); else (dot * sa) * sw per column.
+    IMPRECISE: the dots' max_num_imprecise_acc (None: Triton's default, the fp8 wgmma accumulating a
+    whole K tile at its reduced precision; 32: an f32 sum every k32 step, benchmarks/fp8_mma_model.py).
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
@@ -327,8 +329,8 @@ def moe_gate_up_fp8_kernel(
         # One K tile per dot, scaled into the f32 sum: the fp8 MMA's own accumulation never
         # runs past one scale block.
         if SCALAR_WS:
-            g += tl.dot(a, wg) * cg[:, None]
-            u += tl.dot(a, wu) * cu[:, None]
+            g += tl.dot(a, wg, max_num_imprecise_acc=IMPRECISE) * cg[:, None]
+            u += tl.dot(a, wu, max_num_imprecise_acc=IMPRECISE) * cu[:, None]
             cg = cg_next
             cu = cu_next
         else:
@@ -336,8 +338,8 @@ def moe_gate_up_fp8_kernel(
             sg = _fp8_scale(tl.load(sg_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
             su = _fp8_scale(tl.load(su_ptrs + kt * stride_wsk, mask=j_ok, other=0), SCALE_E8M0)
             # (dot * row scale) * column scale: broadcasts, never a [BM, BN] tile of scales.
-            g += (tl.dot(a, wg) * sa[:, None]) * sg[None, :]
-            u += (tl.dot(a, wu) * sa[:, None]) * su[None, :]
+            g += (tl.dot(a, wg, max_num_imprecise_acc=IMPRECISE) * sa[:, None]) * sg[None, :]
+            u += (tl.dot(a, wu, max_num_imprecise_acc=IMPRECISE) * sa[:, None]) * su[None, :]
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
@@ -364,11 +366,11 @@ def moe_down_fp8_kernel(
     stride_ys, stride_yn,
     HAS_BIAS: tl.constexpr, SCALE_E8M0: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False, SCALAR_WS: tl.constexpr = False,
+    PDL: tl.constexpr = False, SCALAR_WS: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
 ):
     """Grid (max_blocks * cdiv(H, BN), S). y_SNH[s, pair, h] over the K tiles
-    [s * k_tiles_per_split, (s + 1) * k_tiles_per_split) of I; BLOCK_K == G. SCALAR_WS as
-    moe_gate_up_fp8_kernel."""
+    [s * k_tiles_per_split, (s + 1) * k_tiles_per_split) of I; BLOCK_K == G. SCALAR_WS and IMPRECISE
+    as moe_gate_up_fp8_kernel."""
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
     pid = tl.program_id(0)
@@ -413,12 +415,12 @@ def moe_down_fp8_kernel(
             a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             w = tl.load(w_ptrs, mask=h_ok[None, :] & k_ok[:, None], other=0.0)
         if SCALAR_WS:
-            acc += tl.dot(a, w) * c[:, None]
+            acc += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE) * c[:, None]
             c = c_next
         else:
             sa = tl.load(as_ptrs + kt, mask=row_ok, other=0.0)
             sw = _fp8_scale(tl.load(ws_ptrs + kt * stride_wsk, mask=h_ok, other=0), SCALE_E8M0)
-            acc += (tl.dot(a, w) * sa[:, None]) * sw[None, :]
+            acc += (tl.dot(a, w, max_num_imprecise_acc=IMPRECISE) * sa[:, None]) * sw[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
     if HAS_BIAS:

@@ -18,6 +18,18 @@ specialisation of the main loop: a producer warp group issues the copies while c
 the wgmma). WS is for the diagnostic only: Triton 3.6 aborted the process compiling it at BM = 64
 (an assertion in WSLowerToken.cpp), and it gained <= 2% elsewhere.
 
+FUSED (gate_up): one dot per K step, [BM, BK] x [BK, 2BN], instead of a gate dot and an up dot. The
+weight box is a 5D view of gate_up [E, 2I, H] as [E, I/8, 2, 8, H] (strides 2IH, 8H, IH, H, 1),
+block [1, BN/8, 2, 8, BK]: one TMA copy brings BN gate rows and their BN up rows interleaved 8 by 8,
+no repacking of the weights. Why: Triton splits a dot's N over the warp groups that M leaves
+free, so two [64, BN] dots on 8 warps ran as 64x(BN/2) wgmmas, each re-reading the A tile from
+shared memory; the fused dot issues half as many wgmmas, twice as wide (fp8 BM 64: QGMMA 64x128
+instead of 64x64; bf16 BM 128: HGMMA 64x256 instead of 64x128; sm_90 offline compile,
+benchmarks/sass_mix.py), with one wait per K step instead of two, the same registers and no
+spill. The 8-column interleave keeps each thread's gate and up columns in the same thread, so
+the activation's split (split_gate_up8) moves no data. Each output element takes the same
+products in the same K order as the two-dot form.
+
 Legend as in moe_gemm.py: P padded pair positions (max_blocks * BM), I intermediate, H hidden.
 Only the linear, non-interleaved layout without bias (mixtral, qwen3, deepseek families) and
 BN | I, BK | H (gate_up) / BK | I (down): the host checks before a launch.
@@ -35,24 +47,36 @@ from .pdl import pdl_trigger, pdl_wait
 @triton.jit
 def _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
                   limit, alpha, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, WS_K: tl.constexpr):
-    """act_PI rows p0 .. p0+BM-1 (expert e >= 0), columns pid_n*BN.. of I."""
+                  BLOCK_K: tl.constexpr, WS_K: tl.constexpr, FUSED: tl.constexpr = False):
+    """act_PI rows p0 .. p0+BM-1 (expert e >= 0), columns pid_n*BN.. of I.
+
+    FUSED: one [BM, 2BN] dot per K step over gate and up rows interleaved 8 by 8 (wd: the 5D view
+    of the module docstring, which says why), else a gate dot and an up dot.
+    """
     offs_p = p0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_p)  # sorted_P has all P entries: a load past the used blocks is harmless
     row_ok = pair < num_pairs
     tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
-    row_g = e * (2 * I) + pid_n * BLOCK_N
-    row_u = row_g + I
-    g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-    for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
-        a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
-        wg = wd.load([row_g, k0])
-        wu = wd.load([row_u, k0])
-        g = tl.dot(a, wg.T, g)
-        u = tl.dot(a, wu.T, u)
+    if FUSED:
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, k0]), (2 * BLOCK_N, BLOCK_K))
+            acc = tl.dot(a, w.T, acc)
+        g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
+    else:
+        row_g = e * (2 * I) + pid_n * BLOCK_N
+        row_u = row_g + I
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
+            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            wg = wd.load([row_g, k0])
+            wu = wd.load([row_u, k0])
+            g = tl.dot(a, wg.T, g)
+            u = tl.dot(a, wu.T, u)
     out = _activate(g, u, limit, alpha, ACT)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
@@ -60,10 +84,24 @@ def _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I,
 
 
 @triton.jit
+def split_gate_up8(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """(g, u) [BM, BN] each from acc [BM, 2BN] whose columns are gate/up 8 by 8 (g0..7, u0..7, g8..15, ...).
+
+    In the wgmma accumulator layout a thread holds the same 2 columns of every 8-column group, so
+    with gate and up interleaved 8 by 8 it holds matching g and u columns and the split is a
+    register renaming (no shared-memory round trip: tests/test_sass_mix.py). The 32-row half tiles
+    (mma.sync layout) take a shared-memory shuffle here, once a tile.
+    """
+    acc4 = tl.permute(tl.reshape(acc, (BLOCK_M, BLOCK_N // 8, 2, 8)), (0, 1, 3, 2))
+    g, u = tl.split(acc4)
+    return tl.reshape(g, (BLOCK_M, BLOCK_N)), tl.reshape(u, (BLOCK_M, BLOCK_N))
+
+
+@triton.jit
 def _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
                   stride_xt, stride_ap, limit, alpha, ACT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  WS_K: tl.constexpr, HALF_TAIL: tl.constexpr):
+                  WS_K: tl.constexpr, HALF_TAIL: tl.constexpr, FUSED: tl.constexpr = False):
     """Work tile `tile` in moe_gemm._tile_ids's grouped order; an empty block (expert < 0) does nothing."""
     pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
@@ -71,10 +109,10 @@ def _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pa
         p0 = pid_m * BLOCK_M
         if HALF_TAIL and half_padded(sorted_ptr, p0, num_pairs, BLOCK_M):
             _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
-                          limit, alpha, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, WS_K)
+                          limit, alpha, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, WS_K, FUSED)
         else:
             _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
-                          limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, WS_K)
+                          limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, WS_K, FUSED)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
@@ -84,11 +122,12 @@ def moe_gate_up_tma_kernel(
     stride_xt, stride_ap, limit, alpha,
     ACT: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False, FUSED: tl.constexpr = False,
 ):
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm.moe_gate_up_kernel.
 
-    wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK].
+    wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the 5D view
+    [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
     HALF_TAIL and PDL as moe_gemm.moe_gate_up_kernel.
     """
@@ -98,11 +137,11 @@ def moe_gate_up_tma_kernel(
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
             _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
                           stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False,
-                          HALF_TAIL)
+                          HALF_TAIL, FUSED)
     else:
         _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, top_k,
                       num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS,
-                      HALF_TAIL)
+                      HALF_TAIL, FUSED)
 
 
 @triton.jit
