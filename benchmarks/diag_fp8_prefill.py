@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import sys
 import time
@@ -77,43 +78,18 @@ _TILES_DRY = {"bm64": _cfg(64, dict(block_n=128, block_k=128, num_stages=1), dic
                                 dict(block_n=128, block_k=128, num_stages=1, persistent=True))}
 
 
-@contextlib.contextmanager
-def _percol():
-    """The fp8 pointer kernels with per-column weight scales while the body runs (capture time)."""
-    import moeflow.experts.triton_quant as TQ
+def _setting(module: str, name: str, value):
+    """A context factory: module.name = value while the body runs (capture time), then the value it had."""
+    import importlib
+    from unittest import mock
 
-    TQ.FP8_SCALAR_WS = False
-    try:
-        yield
-    finally:
-        TQ.FP8_SCALAR_WS = True
+    return functools.partial(mock.patch.object, importlib.import_module(module), name, value)
 
 
-@contextlib.contextmanager
-def _two_dot():
-    """The TMA gate_up kernels' two-dot form while the body runs (capture time)."""
-    import moeflow.experts.triton as TE
-
-    TE.FUSED_GATE_UP = False
-    try:
-        yield
-    finally:
-        TE.FUSED_GATE_UP = True
-
-
-def _bi_acc(value):
-    """A context: FP8_BI_IMPRECISE_ACC = value while the body runs (capture time)."""
-    @contextlib.contextmanager
-    def ctx():
-        import moeflow.experts.triton_quant as TQ
-
-        saved, TQ.FP8_BI_IMPRECISE_ACC = TQ.FP8_BI_IMPRECISE_ACC, value
-        try:
-            yield
-        finally:
-            TQ.FP8_BI_IMPRECISE_ACC = saved
-
-    return ctx
+# fp8_percol: the pointer kernels with per-column weight scales; *_2dot: the TMA gate_up's two-dot form;
+# fp8_bi32 / fp8_bi_acc: the batch-invariant mode's fp8 accumulation restarted every 32 products / never
+_percol = _setting("moeflow.experts.triton_quant", "FP8_SCALAR_WS", False)
+_two_dot = _setting("moeflow.experts.triton", "FUSED_GATE_UP", False)
 
 
 def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
@@ -228,7 +204,9 @@ def main(argv=None) -> int:
             elif v == "fp8_2dot":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
             elif v in ("fp8_bi", "fp8_bi32", "fp8_bi_acc"):
-                ctx = {"fp8_bi": contextlib.nullcontext, "fp8_bi32": _bi_acc(32), "fp8_bi_acc": _bi_acc(None)}[v]
+                acc = {"fp8_bi32": 32, "fp8_bi_acc": None}
+                ctx = (_setting("moeflow.experts.triton_quant", "FP8_BI_IMPRECISE_ACC", acc[v]) if v in acc
+                       else contextlib.nullcontext)
                 impls[v] = (TritonQuantExperts(batch_invariant=True, tma=True if dry else None, **kw), wq, ctx)
             elif v.startswith("t:"):
                 impls[v] = (TritonQuantExperts(tile_config=tiles[v[2:]], tma=True if dry else None, **kw), wq,
