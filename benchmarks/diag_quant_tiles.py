@@ -90,10 +90,18 @@ def _fp8_variants(base: MoETileConfig) -> list[tuple[str, MoETileConfig]]:
     """FP8 decode: gate_up BN 128 / 64 / 32 (whole group or narrower), down BN / split around base."""
     out = [(f"gu{bn}", dataclasses.replace(base, gate_up=dataclasses.replace(base.gate_up, block_n=bn)))
            for bn in (128, 64, 32) if bn != base.gate_up.block_n]
+    # Bytes in flight per SM (pipeline depth, warps issuing loads): the weight stream's other knobs.
+    gu = base.gate_up
+    for st, w in ((gu.num_stages + 2, gu.num_warps), (gu.num_stages, 2 * gu.num_warps),
+                  (gu.num_stages + 2, 2 * gu.num_warps)):
+        out.append((f"gu{gu.block_n}st{st}w{w}",
+                    dataclasses.replace(base, gate_up=dataclasses.replace(gu, num_stages=st, num_warps=w))))
     dn = base.down
     for bn, s in ((64, dn.split_k), (32, dn.split_k), (dn.block_n, max(1, dn.split_k // 2)), (dn.block_n, 2 * dn.split_k)):
         if (bn, s) != (dn.block_n, dn.split_k) and s <= 16:
             out.append((f"dn{bn}s{s}", dataclasses.replace(base, down=dataclasses.replace(dn, block_n=bn, split_k=s))))
+    out.append((f"dn{dn.block_n}s{dn.split_k}st{dn.num_stages + 2}",
+                dataclasses.replace(base, down=dataclasses.replace(dn, num_stages=dn.num_stages + 2))))
     return out
 
 

@@ -57,7 +57,7 @@ class Case:
     @property
     def tiny_shape(self) -> str:
         if self.kind == "quant":
-            return "tiny-fp8" if self.shape == "deepseek-v3" else "tiny-mxfp4"
+            return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8") else "tiny-mxfp4"
         if self.kind == "experts":
             return "tiny-gptoss" if self.shape == "gpt-oss-120b" else "tiny-silu"
         return self.shape  # router: the real spec and E, H cut down (see _router_inputs)
@@ -101,6 +101,10 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=1"),
     Case("quant_fp8_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192", tiny_T=64),
+    Case("quant_fp8_decode_t2_deepseek_v3", "quant", "deepseek-v3", 2,
+         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=2 (issue 15: 0.81 of the HBM roof)"),
+    Case("quant_fp8_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
+         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3 (issue 15: 1.17x our bf16)", tiny_T=64),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 TINY_ROUTER_H = 256  # router hidden size under --tiny (the interpreter is slow)
