@@ -12,6 +12,8 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     bi_pers   bi with both GEMMs in the persistent TMA form (same tiles, same bits)
     two_dot   table with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False; the
               default is one [BM, 2BN] dot a K step, moeflow/kernels/moe_gemm_tma.py: FUSED)
+    flat_down table with the down GEMM as one flattened persistent loop over (tile, K step)
+              (experts.triton.FLAT_DOWN = True; moe_gemm_tma._down_flat; no half tiles in down)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
@@ -62,21 +64,26 @@ def variants(table: MoETileConfig, bi: MoETileConfig) -> dict[str, MoETileConfig
     out["bi_pers"] = dataclasses.replace(bi, gate_up=dataclasses.replace(bi.gate_up, persistent=True),
                                          down=dataclasses.replace(bi.down, persistent=True))
     out["two_dot"] = table
+    out["flat_down"] = table
     return out
 
 
-class TwoDot:
-    """An impl run with the TMA gate_up's two-dot form (the flag is read at launch, so at graph capture)."""
+# variants that are `table` run with a module flag of moeflow.experts.triton set (read at launch)
+FLAGS = {"two_dot": ("FUSED_GATE_UP", False), "flat_down": ("FLAT_DOWN", True)}
 
-    def __init__(self, impl):
-        self.impl = impl
+
+class Flagged:
+    """An impl run with moeflow.experts.triton.<flag> = value (read at launch, so at graph capture)."""
+
+    def __init__(self, impl, flag: str, value):
+        self.impl, self.flag, self.value = impl, flag, value
 
     def forward_tokens(self, *args):
         from unittest import mock
 
         import moeflow.experts.triton as TE
 
-        with mock.patch.object(TE, "FUSED_GATE_UP", False):
+        with mock.patch.object(TE, self.flag, self.value):
             return self.impl.forward_tokens(*args)
 
 
@@ -103,6 +110,7 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed replays of each variant per pass")
     ap.add_argument("--json", default=None)
     ap.add_argument("--vllm", action="store_true", help="time the vLLM peer in the same rotation")
+    ap.add_argument("--variants", default=None, help="comma list of the variants to run (table always runs)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shape, under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
 
@@ -147,6 +155,12 @@ def main(argv=None) -> int:
             t = GemmTile(block_n=16, block_k=16, num_stages=1)
             table = bi = MoETileConfig(block_m=32, gate_up=t, down=t)
         named = variants(table, bi)
+        if args.variants:
+            keep = {"table", *args.variants.split(",")}
+            unknown = keep - set(named) - {"half", "bi_half"}
+            if unknown:
+                raise SystemExit(f"--variants: unknown {sorted(unknown)}; known {sorted(named)}")
+            named = {k: v for k, v in named.items() if k in keep}
         peer = None
         if args.vllm:  # its vLLM-layout copy of the weights, once per point
             from benchmarks.peers.vllm_fused_moe import VllmFusedMoE
@@ -154,14 +168,17 @@ def main(argv=None) -> int:
             peer = VllmFusedMoE(w, spec["activation"], spec.get("limit"))
         if cpu:
             named["half"] = dataclasses.replace(table, half_tail=True)
-            named["bi_half"] = dataclasses.replace(bi, half_tail=True)
+            if "bi" in named:
+                named["bi_half"] = dataclasses.replace(bi, half_tail=True)
         for dist in args.routing.split(","):
             ids, wts = routing(T, E, K, dist, dev)
             x = torch.randn(T, H, device=dev, dtype=dtype)
             # the interpreter takes the TMA kernels only when asked (tma=True), the GPU by default
             impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c, tma=True if cpu else None)
                      for v, c in named.items()}
-            impls["two_dot"] = TwoDot(impls["two_dot"])
+            for v, (flag, value) in FLAGS.items():
+                if v in impls:
+                    impls[v] = Flagged(impls[v], flag, value)
             outs = {v: impl.forward_tokens(x, ids, wts, w, cfg).clone() for v, impl in impls.items()}
             fns = {v: (lambda impl=impl, a=(x, ids, wts, w, cfg): impl.forward_tokens(*a)) for v, impl in impls.items()}
             if peer is not None:

@@ -24,6 +24,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from unittest import mock
 
 import pytest
 import torch
@@ -732,6 +733,11 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                     base = off.forward_tokens(x, ids, wts, w, cfg)
                     d = (out.float() - base.float()).abs().max().item()
                     assert d <= tol * max(1.0, base.abs().max().item()), f"{name} T={T}: tma vs pointer max {d:.3e}"
+                    if split == 1:  # the flattened persistent down (FLAT_DOWN): the same bits
+                        with mock.patch.object(TE, "FLAT_DOWN", True):
+                            flat = on.forward_tokens(x, ids, wts, w, cfg)
+                        assert calls["down"] == before["down"] + 2, f"{name}: the flat down did not take TMA tiles"
+                        assert torch.equal(flat, out), f"{name} T={T}: flat down != tiled down"
                     print(f"{name:13s} T={T:4d} split={split} tma rel-L2 {err:.2e}, vs pointer kernels {d:.1e}")
     finally:
         TE._launch_gate_up_tma, TE._launch_down_tma = orig
@@ -989,6 +995,56 @@ def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
                              what=f"{name}: persistent TMA vs pointer tiles")
     finally:
         TE._launch_gate_up_tma = orig
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA tiles need Hopper or newer")
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=[s[0] for s in TMA_SHAPES])
+def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
+    """The flattened persistent down GEMM (experts.triton.FLAT_DOWN; moe_gemm_tma._down_flat) gives the
+    bits of the tiled down with its half tiles and of the persistent form, at decode and prefill T and
+    under skewed routing (empty and half-empty blocks), and replays from a CUDA graph with new routing."""
+    import moeflow.experts.triton as TE
+    from moeflow.testing import assert_bitwise_equal
+
+    name, E, H, I, K = shape
+    cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
+    t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    tiled = MoETileConfig(block_m=128, gate_up=t, down=t, half_tail=True)
+    pers = MoETileConfig(block_m=128, gate_up=t, down=dataclasses.replace(t, persistent=True))
+    for tiles in (tiled, pers):
+        impl = TE.TritonExperts(tile_config=tiles, tma=True)
+        for T in (1, 300, 2500):
+            x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
+            want = impl.forward_tokens(x, ids, wts, w, cfg)
+            with mock.patch.object(TE, "FLAT_DOWN", True):
+                got = impl.forward_tokens(x, ids, wts, w, cfg)
+            assert_bitwise_equal(got, want, what=f"{name} T={T} {tiles.down}: flat down vs tiled down")
+    impl = TE.TritonExperts(tile_config=tiled, tma=True)
+    x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
+    with mock.patch.object(TE, "FLAT_DOWN", True):
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            impl.forward_tokens(x, ids, wts, w, cfg)
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            out = impl.forward_tokens(x, ids, wts, w, cfg)
+    g.replay()
+    first = out.clone()
+    assert_bitwise_equal(first, TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x, ids, wts, w, cfg),
+                         what=f"{name}: flat down replayed from a CUDA graph")
+    x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10, skew=True)
+    # a second instance (its own buffers) gives the tiled down's answer for the new routing
+    want2 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
+    x.copy_(x2)
+    ids.copy_(ids2)
+    wts.copy_(wts2)
+    g.replay()
+    assert_bitwise_equal(out, want2, what=f"{name}: flat down replayed from a CUDA graph with new routing")
+    assert not torch.equal(first, want2)
 
 
 @gpu

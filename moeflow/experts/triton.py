@@ -53,6 +53,7 @@ computed and turns its token's output row to NaN (loud, not a silent clamp).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 from functools import lru_cache
@@ -104,6 +105,12 @@ def _tma_device(index: int) -> bool:
 # The TMA gate_up kernels' fused form (moeflow/kernels/moe_gemm_tma.py: FUSED): one [BM, 2BN] dot per
 # K step over gate and up rows interleaved 8 by 8. A module flag so the diagnostics can A/B it.
 FUSED_GATE_UP = True
+
+
+# The TMA down GEMM as one flattened persistent loop over (work tile, K step)
+# (moeflow/kernels/moe_gemm_tma.py: _down_flat): one program per SM whatever the tile's `persistent`,
+# no half tiles; the same bits. A module flag so the diagnostics can A/B it (benchmarks/diag_half_tiles.py).
+FLAT_DOWN = False
 
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
@@ -519,13 +526,14 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
                if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    progs = persistent_programs(t, plan.act_PI.device)
+    flat = FLAT_DOWN
+    progs = persistent_programs(dataclasses.replace(t, persistent=True) if flat else t, plan.act_PI.device)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
         ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
         PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs), BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
-        GROUP_M=t.group_m, HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages,
-        PDL=plan.pdl_gemm, launch_pdl=plan.pdl,
+        GROUP_M=t.group_m, HALF_TAIL=plan.cfg.half_tail and not flat, num_warps=t.num_warps, num_stages=t.num_stages,
+        PDL=plan.pdl_gemm, FLAT=flat, launch_pdl=plan.pdl,
     )
 
 

@@ -157,9 +157,59 @@ def _down_rows(ad, wd, y_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, stride_
         a = ad.load([p0, k0])
         w = wd.load([row_w, k0])
         acc = tl.dot(a, w.T, acc)
+    _down_store(acc, y_ptr, pair, row_ok, pid_n, H, stride_yn, BLOCK_N)
+
+
+@triton.jit
+def _down_store(acc, y_ptr, pair, row_ok, pid_n, H, stride_yn, BLOCK_N: tl.constexpr):
+    """y_NH[pair, pid_n*BN ..] = acc [BM, BN] (rows with row_ok, columns < H)."""
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+
+
+@triton.jit
+def _used_blocks(block_expert_ptr, num_m, COUNT_BLOCK: tl.constexpr):
+    """Blocks with an expert (block_expert >= 0). The aligner writes -1 past the last used block only,
+    so they are the first `used` blocks."""
+    used = 0
+    for b0 in range(0, num_m, COUNT_BLOCK):
+        offs = b0 + tl.arange(0, COUNT_BLOCK)
+        e = tl.load(block_expert_ptr + offs, mask=offs < num_m, other=-1)
+        used += tl.sum((e >= 0).to(tl.int32))
+    return used
+
+
+@triton.jit
+def _down_flat(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn,
+               NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+               GROUP_M: tl.constexpr):
+    """The persistent down GEMM as one flattened loop over (work tile, K step) (tl.range(flatten=True)).
+
+    Why: at short K (qwen3's I = 768: 12 steps of BK 64) each tile's pipeline fill and epilogue
+    were exposed (ncu: tensor pipe 65%), with one 8-warp CTA per SM to hide them. Triton's loop
+    fusion (FuseNestedLoops) turns the tile loop and its K loop into one loop that the pipeliner
+    can run across tile boundaries: the next tile's first copies are in flight during this tile's
+    last steps and its store. Fusion needs the K loop's bounds invariant to the tile loop and no
+    `if` around the K loop, so the walk covers only the used blocks (a prefix, _used_blocks) and
+    there are no half tiles here. Each output element takes the same products in the same K order
+    as _down_rows: the same bits.
+    """
+    used = _used_blocks(block_expert_ptr, num_m, 1024)
+    n_n = tl.cdiv(H, BLOCK_N)
+    k_tiles = tl.cdiv(I, BLOCK_K)
+    for tile in tl.range(tl.program_id(0), used * n_n, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, used, n_n, GROUP_M)
+        e = tl.load(block_expert_ptr + pid_m)
+        p0 = pid_m * BLOCK_M
+        row_w = e * H + pid_n * BLOCK_N
+        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kt in range(0, k_tiles):
+            a = ad.load([p0, kt * BLOCK_K])
+            w = wd.load([row_w, kt * BLOCK_K])
+            acc = tl.dot(a, w.T, acc)
+        pair = tl.load(sorted_ptr + p0 + tl.arange(0, BLOCK_M))
+        _down_store(acc, y_ptr, pair, pair < num_pairs, pid_n, H, stride_yn, BLOCK_N)
 
 
 @triton.jit
@@ -184,18 +234,22 @@ def moe_down_tma_kernel(
     num_pairs, H, I, num_m, num_tiles, stride_yn,
     PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False,
+    HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False, FLAT: tl.constexpr = False,
 ):
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm.moe_down_kernel with one split.
 
     ad: TensorDescriptor over act_PI [P, I], block [BM, BK]; ad_half: the same with block [BM/2, BK]
     (the HALF_TAIL tiles; pass ad when HALF_TAIL is off); wd: over down viewed [E * H, I], block
     [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
-    HALF_TAIL and PDL as moe_gemm.moe_gate_up_kernel.
+    HALF_TAIL and PDL as moe_gemm.moe_gate_up_kernel. FLAT (with PERSISTENT; HALF_TAIL and WS ignored):
+    _down_flat's one flattened loop.
     """
     pdl_wait(PDL)
     pdl_trigger(PDL)
-    if PERSISTENT:
+    if FLAT:
+        _down_flat(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn, NUM_PROGS,
+                   BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M)
+    elif PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
             _down_tile(ad, ad_half, wd, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m, stride_yn,
                        BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False, HALF_TAIL)
