@@ -15,6 +15,9 @@ clock drift of compute-bound steps falls on all of them alike:
     fp8            TritonQuantExperts() as it runs by default (TMA kernels on Hopper where the tiles allow)
     fp8_2dot       fp8 with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False)
     bf16_2dot      bf16 with the same (moeflow.kernels.moe_gemm_tma.py: FUSED)
+    fp8_flat       fp8 with the down GEMM as one flattened persistent loop over (tile, K step)
+                   (experts.triton.FLAT_DOWN = True; moe_gemm_fp8_tma._fp8_down_flat)
+    bf16_flat      bf16 with the same (moe_gemm_tma._down_flat)
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
     fp8_bi32       the same every 32 products
@@ -22,7 +25,8 @@ clock drift of compute-bound steps falls on all of them alike:
     t:<name>       forced tiles (TMA where allowed): see _TILES
 Every fp8 variant is checked against the W8A8 reference (rel-L2, max-abs) before it is timed; fp8 and
 each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels), and each
-"X_2dot" with "X" (the fused and the two-dot gate_up give the same bits).
+"X_2dot" / "X_flat" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
+same bits: bitwise_vs_base).
 
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --shapes deepseek-v3 --tokens 2048,8192 --json out.json
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --dry-run     # CPU: Triton interpreter, tiny shape
@@ -90,6 +94,7 @@ def _setting(module: str, name: str, value):
 # fp8_bi32 / fp8_bi_acc: the batch-invariant mode's fp8 accumulation restarted every 32 products / never
 _percol = _setting("moeflow.experts.triton_quant", "FP8_SCALAR_WS", False)
 _two_dot = _setting("moeflow.experts.triton", "FUSED_GATE_UP", False)
+_flat = _setting("moeflow.experts.triton", "FLAT_DOWN", True)
 
 
 def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
@@ -125,10 +130,11 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         except Exception as exc:  # a variant that cannot run says so
             row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
-    for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" against "X"
+    for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" against "X"
         v = r["variant"]
+        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat")) else None
         for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
-                          ("bitwise_vs_fused", outs.get(v[: -len("_2dot")]) if v.endswith("_2dot") else None)):
+                          ("bitwise_vs_base", outs.get(base) if base else None)):
             if v in outs and twin is not None:
                 r[key] = bool(torch.equal(outs[v].view(torch.int16), twin.view(torch.int16)))
     if fns and dev.type == "cuda":
@@ -145,7 +151,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         extra = "" if "us" not in r else (f"{r['us']:9.1f} us {r['tflops']:6.1f} TFLOP/s "
                                           f"x{r.get('speedup_vs_bf16', float('nan')):.3f} vs bf16")
         err = f" rel-L2 {r['rel_l2_vs_w8a8_ref']:.2e}" if "rel_l2_vs_w8a8_ref" in r else ""
-        bit = "".join(f" {k}={r[k]}" for k in ("bitwise_vs_ptr", "bitwise_vs_fused") if k in r)
+        bit = "".join(f" {k}={r[k]}" for k in ("bitwise_vs_ptr", "bitwise_vs_base") if k in r)
         print(f"{name:18s} T={T:5d} {r['variant']:14s} {r['status'][:80]:4s} {extra}{err}{bit}", flush=True)
     return rows
 
@@ -175,7 +181,7 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_bi,fp8_bi32,fp8_bi_acc,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flat,fp8_bi,fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
     dev = torch.device("cpu" if dry else "cuda")
     tiles = _TILES_DRY if dry else _TILES
@@ -203,6 +209,10 @@ def main(argv=None) -> int:
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, contextlib.nullcontext)
             elif v == "fp8_2dot":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
+            elif v == "fp8_flat":
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat)
+            elif v == "bf16_flat":
+                impls[v] = (TritonExperts(allow_cpu=dry, tma=True if dry else None), plain, _flat)
             elif v in ("fp8_bi", "fp8_bi32", "fp8_bi_acc"):
                 acc = {"fp8_bi32": 32, "fp8_bi_acc": None}
                 ctx = (_setting("moeflow.experts.triton_quant", "FP8_BI_IMPRECISE_ACC", acc[v]) if v in acc

@@ -643,6 +643,9 @@ def check_fp8_tma(device, dtype, cases, T_list, tiles_list, tol, ref_context) ->
     per-column scales (FP8_SCALAR_WS = False), which round otherwise: within tol, not bitwise."""
     import dataclasses
 
+    from unittest import mock
+
+    import moeflow.experts.triton as TE
     import moeflow.experts.triton_quant as TQ
     from moeflow.testing import assert_bitwise_equal
 
@@ -677,6 +680,11 @@ def check_fp8_tma(device, dtype, cases, T_list, tiles_list, tol, ref_context) ->
                     what = (f"{fmt} E={E} H={H} I={I} T={T} BM={tiles.block_m} persistent="
                             f"{tiles.gate_up.persistent}: TMA vs pointer kernels")
                     assert_bitwise_equal(a, b, what=what)
+                    calls.clear()
+                    with mock.patch.object(TE, "FLAT_DOWN", True):  # the flattened persistent down
+                        f = tma.forward_tokens(x, ids, wts, wq, cfg)
+                    assert calls == ["gate_up", "down"], f"{fmt} {tiles}: flat TMA launches {calls}"
+                    assert_bitwise_equal(f, a, what=what.replace("pointer kernels", "the flat down"))
                     with ref_context():
                         ref, _ = reference_quant(x, ids, wts, wq, cfg)
                     check_close(a, ref, what + " vs the W8A8 reference", tol_rel_l2=tol, elementwise=False)

@@ -480,6 +480,13 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
+def down_programs(t, dev: torch.device) -> tuple[int, bool]:
+    """(programs, flat) of a TMA down GEMM launch (bf16 and fp8): FLAT_DOWN runs the flattened loop with
+    one program per SM whatever t.persistent; else persistent_programs(t, dev)."""
+    flat = FLAT_DOWN
+    return persistent_programs(dataclasses.replace(t, persistent=True) if flat else t, dev), flat
+
+
 def persistent_programs(t, dev: torch.device) -> int:
     """Programs of a persistent TMA GEMM of tile t on dev (one per SM: a constant per device, so no
     recompile per T); 0 when the tile is not persistent (one program per work tile)."""
@@ -526,8 +533,7 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
                if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    flat = FLAT_DOWN
-    progs = persistent_programs(dataclasses.replace(t, persistent=True) if flat else t, plan.act_PI.device)
+    progs, flat = down_programs(t, plan.act_PI.device)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
         ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),

@@ -74,6 +74,7 @@ from .triton import (
     _launch_tma,
     _tma_weights_ok,
     combine_launch,
+    down_programs,
     fused_gate_up_ok,
     gate_up_descriptor,
     max_blocks_for,
@@ -684,14 +685,15 @@ def _launch_fp8_down_tma(plan: _Plan, w: ExpertWeights, ws: torch.Tensor) -> Non
     ad = TensorDescriptor(plan.aq_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    progs = persistent_programs(t, plan.aq_PI.device)
+    progs, flat = down_programs(t, plan.aq_PI.device)
     y = plan.y_SNH
     moe_down_fp8_tma_kernel[(progs or tiles,)](
         ad, plan.as_PG, wd, ws, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles,
         w.quant.block[0], plan.as_PG.stride(0), *ws.stride(), y.stride(1),
         SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0, NUM_PROGS=max(1, progs), BLOCK_M=BM,
         BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m, num_warps=t.num_warps,
-        num_stages=t.num_stages, PDL=plan.pdl_gemm, IMPRECISE=_imprecise_acc(plan, t), launch_pdl=plan.pdl,
+        num_stages=t.num_stages, PDL=plan.pdl_gemm, IMPRECISE=_imprecise_acc(plan, t), FLAT=flat,
+        launch_pdl=plan.pdl,
     )
 
 

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .moe_gemm import _activate, _tile_ids
 from .moe_gemm_quant import _fp8_quant_store, _fp8_row_scale
-from .moe_gemm_tma import split_gate_up8
+from .moe_gemm_tma import _used_blocks, split_gate_up8
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -131,25 +131,52 @@ def _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, 
     pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(H, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
-        p0 = pid_m * BLOCK_M
-        offs_p = p0 + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
-        as_ptrs = as_ptr + offs_p.to(tl.int64) * stride_as
-        row_w = e * H + pid_n * BLOCK_N
-        sw_ptr = ws_ptr + e.to(tl.int64) * stride_wse + ((pid_n * BLOCK_N) // sbn) * stride_wsn
-        c = _fp8_row_scale(as_ptrs, sw_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
-        acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        n_kt = I // BLOCK_K
-        for kt in range(0, n_kt):
-            c_next = _fp8_row_scale(as_ptrs, sw_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk, row_ok, SCALE_E8M0)
-            a = ad.load([p0, kt * BLOCK_K])
-            w = wd.load([row_w, kt * BLOCK_K])
-            acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * c[:, None]
-            c = c_next
-        offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
-        tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+        _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, pid_m * BLOCK_M, pid_n, num_pairs, H, I, sbn,
+                       stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0, BLOCK_M, BLOCK_N,
+                       BLOCK_K, IMPRECISE)
+
+
+@triton.jit
+def _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, sbn,
+                   stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr):
+    """y_NH of the pairs at rows p0 .. p0+BM-1 (expert e >= 0), columns pid_n*BN.. of H."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    as_ptrs = as_ptr + offs_p.to(tl.int64) * stride_as
+    row_w = e * H + pid_n * BLOCK_N
+    sw_ptr = ws_ptr + e.to(tl.int64) * stride_wse + ((pid_n * BLOCK_N) // sbn) * stride_wsn
+    c = _fp8_row_scale(as_ptrs, sw_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    n_kt = I // BLOCK_K
+    for kt in range(0, n_kt):
+        c_next = _fp8_row_scale(as_ptrs, sw_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk, row_ok, SCALE_E8M0)
+        a = ad.load([p0, kt * BLOCK_K])
+        w = wd.load([row_w, kt * BLOCK_K])
+        acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * c[:, None]
+        c = c_next
+    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+
+
+@triton.jit
+def _fp8_down_flat(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, sbn,
+                   stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0: tl.constexpr,
+                   NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   GROUP_M: tl.constexpr, IMPRECISE: tl.constexpr):
+    """The persistent fp8 down as one flattened loop over (work tile, K step): moe_gemm_tma._down_flat's
+    reasons, stronger here (qwen3's I = 768 is 6 steps of BK 128). The used blocks only (a prefix), the
+    same rows and K order as _fp8_down_rows: the same bits."""
+    used = _used_blocks(block_expert_ptr, num_m, 1024)
+    n_n = tl.cdiv(H, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), used * n_n, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, used, n_n, GROUP_M)
+        e = tl.load(block_expert_ptr + pid_m)
+        _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, pid_m * BLOCK_M, pid_n, num_pairs, H, I, sbn,
+                       stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0, BLOCK_M, BLOCK_N,
+                       BLOCK_K, IMPRECISE)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
@@ -158,16 +185,21 @@ def moe_down_fp8_tma_kernel(
     num_pairs, H, I, num_m, num_tiles, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
     SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
+    PDL: tl.constexpr = False, IMPRECISE: tl.constexpr = None, FLAT: tl.constexpr = False,
 ):
     """y_NH[pair] like moe_gemm_quant.moe_down_fp8_kernel with one split (SCALAR_WS).
 
     ad: TensorDescriptor over aq_PI [P, I] e4m3, block [BM, BK]; wd: over down viewed [E * H, I],
     block [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
+    FLAT (with PERSISTENT): _fp8_down_flat's one flattened loop.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
-    if PERSISTENT:
+    if FLAT:
+        _fp8_down_flat(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, sbn,
+                       stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0, NUM_PROGS,
+                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, IMPRECISE)
+    elif PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m,
                            sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0,
