@@ -642,7 +642,6 @@ def check_fp8_tma(device, dtype, cases, T_list, tiles_list, tol, ref_context) ->
     the comparison cannot pass by both sides running the pointer kernels. Then the pointer kernels'
     per-column scales (FP8_SCALAR_WS = False), which round otherwise: within tol, not bitwise."""
     import dataclasses
-
     from unittest import mock
 
     import moeflow.experts.triton as TE
