@@ -15,8 +15,9 @@ clock drift of compute-bound steps falls on all of them alike:
     fp8            TritonQuantExperts() as it runs by default (TMA kernels on Hopper where the tiles allow)
     fp8_2dot       fp8 with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False)
     bf16_2dot      bf16 with the same (moeflow.kernels.moe_gemm_tma.py: FUSED)
-    fp8_flat       fp8 with the down GEMM as one flattened persistent loop over (tile, K step)
+    fp8_flatdn     fp8 with the down GEMM as one flattened persistent loop over (tile, K step)
                    (experts.triton.FLAT_DOWN = True; moe_gemm_fp8_tma._fp8_down_flat)
+    fp8_flat       fp8 with both GEMMs flattened (FLAT_GATE_UP too: _fp8_gate_up_flat)
     bf16_flat      bf16 with the same (moe_gemm_tma._down_flat)
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
@@ -25,7 +26,7 @@ clock drift of compute-bound steps falls on all of them alike:
     t:<name>       forced tiles (TMA where allowed): see _TILES
 Every fp8 variant is checked against the W8A8 reference (rel-L2, max-abs) before it is timed; fp8 and
 each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels), and each
-"X_2dot" / "X_flat" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
+"X_2dot" / "X_flat" / "X_flatdn" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
 same bits: bitwise_vs_base).
 
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --shapes deepseek-v3 --tokens 2048,8192 --json out.json
@@ -97,6 +98,12 @@ _two_dot = _setting("moeflow.experts.triton", "FUSED_GATE_UP", False)
 _flat = _setting("moeflow.experts.triton", "FLAT_DOWN", True)
 
 
+@contextlib.contextmanager
+def _flat_both():
+    with _flat(), _setting("moeflow.experts.triton", "FLAT_GATE_UP", True)():
+        yield
+
+
 def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
     E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
     ids, wts = routing(T, E, K, args.dist, dev, seed=args.seed)
@@ -132,7 +139,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         rows.append(row)
     for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" against "X"
         v = r["variant"]
-        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat")) else None
+        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn")) else None
         for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
                           ("bitwise_vs_base", outs.get(base) if base else None)):
             if v in outs and twin is not None:
@@ -181,7 +188,7 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flat,fp8_bi,fp8_bi32,fp8_bi_acc,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_bi,fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
     dev = torch.device("cpu" if dry else "cuda")
     tiles = _TILES_DRY if dry else _TILES
@@ -209,8 +216,10 @@ def main(argv=None) -> int:
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, contextlib.nullcontext)
             elif v == "fp8_2dot":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
-            elif v == "fp8_flat":
+            elif v == "fp8_flatdn":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat)
+            elif v == "fp8_flat":
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat_both)
             elif v == "bf16_flat":
                 impls[v] = (TritonExperts(allow_cpu=dry, tma=True if dry else None), plain, _flat)
             elif v in ("fp8_bi", "fp8_bi32", "fp8_bi_acc"):

@@ -679,11 +679,14 @@ def check_fp8_tma(device, dtype, cases, T_list, tiles_list, tol, ref_context) ->
                     what = (f"{fmt} E={E} H={H} I={I} T={T} BM={tiles.block_m} persistent="
                             f"{tiles.gate_up.persistent}: TMA vs pointer kernels")
                     assert_bitwise_equal(a, b, what=what)
-                    calls.clear()
-                    with mock.patch.object(TE, "FLAT_DOWN", True):  # the flattened persistent down
-                        f = tma.forward_tokens(x, ids, wts, wq, cfg)
-                    assert calls == ["gate_up", "down"], f"{fmt} {tiles}: flat TMA launches {calls}"
-                    assert_bitwise_equal(f, a, what=what.replace("pointer kernels", "the flat down"))
+                    for flags in (("FLAT_DOWN",), ("FLAT_DOWN", "FLAT_GATE_UP")):  # flattened persistent loops
+                        calls.clear()
+                        with contextlib.ExitStack() as stack:
+                            for flag in flags:
+                                stack.enter_context(mock.patch.object(TE, flag, True))
+                            f = tma.forward_tokens(x, ids, wts, wq, cfg)
+                        assert calls == ["gate_up", "down"], f"{fmt} {tiles} {flags}: TMA launches {calls}"
+                        assert_bitwise_equal(f, a, what=what.replace("pointer kernels", f"{flags}"))
                     with ref_context():
                         ref, _ = reference_quant(x, ids, wts, wq, cfg)
                     check_close(a, ref, what + " vs the W8A8 reference", tol_rel_l2=tol, elementwise=False)

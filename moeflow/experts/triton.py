@@ -108,9 +108,12 @@ FUSED_GATE_UP = True
 
 
 # The TMA down GEMM as one flattened persistent loop over (work tile, K step)
-# (moeflow/kernels/moe_gemm_tma.py: _down_flat): one program per SM whatever the tile's `persistent`,
-# no half tiles; the same bits. A module flag so the diagnostics can A/B it (benchmarks/diag_half_tiles.py).
+# (moeflow/kernels/moe_gemm_tma.py: _down_flat; fp8: moe_gemm_fp8_tma._fp8_down_flat): one program per
+# SM whatever the tile's `persistent`, no half tiles; the same bits. FLAT_GATE_UP: the same for the fp8
+# gate_up (_fp8_gate_up_flat; the bf16 gate_up has no flat form). Module flags so the diagnostics can
+# A/B them (benchmarks/diag_half_tiles.py, diag_fp8_prefill.py).
 FLAT_DOWN = False
+FLAT_GATE_UP = False
 
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
@@ -480,10 +483,11 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
-def down_programs(t, dev: torch.device) -> tuple[int, bool]:
-    """(programs, flat) of a TMA down GEMM launch (bf16 and fp8): FLAT_DOWN runs the flattened loop with
-    one program per SM whatever t.persistent; else persistent_programs(t, dev)."""
-    flat = FLAT_DOWN
+def tma_gemm_programs(t, dev: torch.device, gate_up: bool = False) -> tuple[int, bool]:
+    """(programs, flat) of a TMA down GEMM launch (bf16 and fp8; gate_up=True: of the fp8 gate_up):
+    FLAT_DOWN (FLAT_GATE_UP) runs the flattened loop with one program per SM whatever t.persistent;
+    else persistent_programs(t, dev)."""
+    flat = FLAT_GATE_UP if gate_up else FLAT_DOWN
     return persistent_programs(dataclasses.replace(t, persistent=True) if flat else t, dev), flat
 
 
@@ -533,7 +537,7 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
                if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    progs, flat = down_programs(t, plan.act_PI.device)
+    progs, flat = tma_gemm_programs(t, plan.act_PI.device)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
         ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),

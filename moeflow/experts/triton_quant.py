@@ -74,11 +74,10 @@ from .triton import (
     _launch_tma,
     _tma_weights_ok,
     combine_launch,
-    down_programs,
     fused_gate_up_ok,
     gate_up_descriptor,
     max_blocks_for,
-    persistent_programs,
+    tma_gemm_programs,
     tma_wanted,
 )
 
@@ -662,7 +661,7 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
     fused = fused_gate_up_ok(I, t.block_n)
     wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
-    progs = persistent_programs(t, plan.aq_PI.device)
+    progs, flat = tma_gemm_programs(t, plan.aq_PI.device, gate_up=True)
     moe_gate_up_fp8_tma_kernel[(progs or tiles,)](
         xq, xs, wd, ws, plan.aq_PI, plan.as_PG, plan.sorted_P, plan.block_expert_B,
         plan.N, H, I, top_k_div, plan.max_blocks, tiles, sbn, -(-I // sbn),
@@ -670,7 +669,7 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
         ACT=_ACT_CODES[config.activation], SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0,
         NUM_PROGS=max(1, progs), BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, FUSED=fused,
-        IMPRECISE=_imprecise_acc(plan, t), launch_pdl=plan.pdl,
+        IMPRECISE=_imprecise_acc(plan, t), FLAT=flat, launch_pdl=plan.pdl,
     )
 
 
@@ -685,7 +684,7 @@ def _launch_fp8_down_tma(plan: _Plan, w: ExpertWeights, ws: torch.Tensor) -> Non
     ad = TensorDescriptor(plan.aq_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    progs, flat = down_programs(t, plan.aq_PI.device)
+    progs, flat = tma_gemm_programs(t, plan.aq_PI.device)
     y = plan.y_SNH
     moe_down_fp8_tma_kernel[(progs or tiles,)](
         ad, plan.as_PG, wd, ws, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles,

@@ -46,50 +46,80 @@ def _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
     pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
-        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
-        tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-        a_ptrs = xq_ptr + tok[:, None] * stride_xq + tl.arange(0, BLOCK_K)[None, :]
-        xs_ptrs = xs_ptr + tok * stride_xs
-        row_g = e * (2 * I) + pid_n * BLOCK_N
-        blk = (pid_n * BLOCK_N) // sbn
-        sg_ptr = ws_ptr + e.to(tl.int64) * stride_wse + blk * stride_wsn
-        su_ptr = sg_ptr + g_rows * stride_wsn
-        cg = _fp8_row_scale(xs_ptrs, sg_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
-        cu = _fp8_row_scale(xs_ptrs, su_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
-        n_kt = H // BLOCK_K
-        if FUSED:
-            acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
-            is_g = ((tl.arange(0, 2 * BLOCK_N) // 8) % 2 == 0)[None, :]  # static per register: no select left
-            for kt in range(0, n_kt):
-                kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
-                cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-                cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-                a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
-                w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, kt * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
-                acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * tl.where(is_g, cg[:, None], cu[:, None])
-                cg = cg_next
-                cu = cu_next
-            g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
-        else:
-            g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-            for kt in range(0, n_kt):
-                kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
-                cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-                cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-                a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
-                wg = wd.load([row_g, kt * BLOCK_K])
-                wu = wd.load([row_g + I, kt * BLOCK_K])
-                g += tl.dot(a, wg.T, max_num_imprecise_acc=IMPRECISE) * cg[:, None]
-                u += tl.dot(a, wu.T, max_num_imprecise_acc=IMPRECISE) * cu[:, None]
-                cg = cg_next
-                cu = cu_next
-        out = _activate(g, u, limit, alpha, ACT)
-        offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        _fp8_quant_store(out, offs_p.to(tl.int64), row_ok, offs_j, offs_j < I, pid_n, aq_ptr, as_ptr, stride_aq,
-                         stride_as, I, BLOCK_M, BLOCK_N, BLOCK_K)
+        _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
+                          top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
+                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE)
+
+
+@triton.jit
+def _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
+                      top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
+                      stride_as, limit, alpha, ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, IMPRECISE: tl.constexpr):
+    """aq_PI / as_PG of block pid_m (expert e >= 0), columns pid_n*BN.. of I (_fp8_gate_up_tile's body)."""
+    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    a_ptrs = xq_ptr + tok[:, None] * stride_xq + tl.arange(0, BLOCK_K)[None, :]
+    xs_ptrs = xs_ptr + tok * stride_xs
+    row_g = e * (2 * I) + pid_n * BLOCK_N
+    blk = (pid_n * BLOCK_N) // sbn
+    sg_ptr = ws_ptr + e.to(tl.int64) * stride_wse + blk * stride_wsn
+    su_ptr = sg_ptr + g_rows * stride_wsn
+    cg = _fp8_row_scale(xs_ptrs, sg_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
+    cu = _fp8_row_scale(xs_ptrs, su_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
+    n_kt = H // BLOCK_K
+    if FUSED:
+        acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
+        is_g = ((tl.arange(0, 2 * BLOCK_N) // 8) % 2 == 0)[None, :]  # static per register: no select left
+        for kt in range(0, n_kt):
+            kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
+            cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+            cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+            a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
+            w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, kt * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
+            acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * tl.where(is_g, cg[:, None], cu[:, None])
+            cg = cg_next
+            cu = cu_next
+        g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
+    else:
+        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+        for kt in range(0, n_kt):
+            kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
+            cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+            cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+            a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
+            wg = wd.load([row_g, kt * BLOCK_K])
+            wu = wd.load([row_g + I, kt * BLOCK_K])
+            g += tl.dot(a, wg.T, max_num_imprecise_acc=IMPRECISE) * cg[:, None]
+            u += tl.dot(a, wu.T, max_num_imprecise_acc=IMPRECISE) * cu[:, None]
+            cg = cg_next
+            cu = cu_next
+    out = _activate(g, u, limit, alpha, ACT)
+    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    _fp8_quant_store(out, offs_p.to(tl.int64), row_ok, offs_j, offs_j < I, pid_n, aq_ptr, as_ptr, stride_aq,
+                     stride_as, I, BLOCK_M, BLOCK_N, BLOCK_K)
+
+
+@triton.jit
+def _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I,
+                      top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
+                      stride_as, limit, alpha, ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, NUM_PROGS: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+                      FUSED: tl.constexpr, IMPRECISE: tl.constexpr):
+    """The persistent fp8 gate_up as one flattened loop over (work tile, K step), as _fp8_down_flat: the
+    activation, quantization and store of one tile overlap the next tile's first copies. The used
+    blocks only; the same bits as _fp8_gate_up_rows per tile."""
+    used = _used_blocks(block_expert_ptr, num_m, 1024)
+    n_n = tl.cdiv(I, BLOCK_N)
+    for tile in tl.range(tl.program_id(0), used * n_n, NUM_PROGS, flatten=True):
+        pid_m, pid_n = _tile_ids(tile, used, n_n, GROUP_M)
+        e = tl.load(block_expert_ptr + pid_m)
+        _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
+                          top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
+                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
@@ -100,16 +130,23 @@ def moe_gate_up_fp8_tma_kernel(
     ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr = False, FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
+    FLAT: tl.constexpr = False,
 ):
     """aq_PI / as_PG like moe_gemm_quant.moe_gate_up_fp8_kernel (QUANT_OUT, SCALAR_WS).
 
     wd: TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the
     5D view [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
+    FLAT (with PERSISTENT): _fp8_gate_up_flat's one flattened loop.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
-    if PERSISTENT:
+    if FLAT:
+        _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I,
+                          top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk,
+                          stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
+                          GROUP_M, FUSED, IMPRECISE)
+    elif PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, tile,
                               num_pairs, H, I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse,
