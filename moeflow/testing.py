@@ -67,6 +67,20 @@ def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, *, what: 
         )
 
 
+def capture_cuda_graph(fn):
+    """(graph, out): fn() run once on a side stream (compiles and allocates off the capture), then
+    captured into a CUDA graph whose replays write `out` (what the captured fn() returned). CUDA only."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
 def assert_pdl_matches_stream(forward, x: torch.Tensor, *, what: str, replays: int = 3,
                               triggers: tuple[str, ...] = ("early", "exit")) -> None:
     """forward(x) -> tensor gives the same bits with programmatic dependent launch (moeflow/kernels/pdl.py)
@@ -86,14 +100,7 @@ def assert_pdl_matches_stream(forward, x: torch.Tensor, *, what: str, replays: i
             P.ENABLED = True
             assert_bitwise_equal(forward(x), ref, what=f"{where}: PDL eager")
             sx = x.clone()
-            s = torch.cuda.Stream()
-            s.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(s):
-                forward(sx)  # compiles off the capture
-            torch.cuda.current_stream().wait_stream(s)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                out = forward(sx)
+            g, out = capture_cuda_graph(lambda sx=sx: forward(sx))
             for rep in range(replays):
                 xr = x * (rep + 1)
                 sx.copy_(xr)

@@ -1006,7 +1006,7 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
     bits of the tiled down with its half tiles and of the persistent form, at decode and prefill T and
     under skewed routing (empty and half-empty blocks), and replays from a CUDA graph with new routing."""
     import moeflow.experts.triton as TE
-    from moeflow.testing import assert_bitwise_equal
+    from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
 
     name, E, H, I, K = shape
     cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
@@ -1024,14 +1024,7 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
     impl = TE.TritonExperts(tile_config=tiled, tma=True)
     x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
     with mock.patch.object(TE, "FLAT_DOWN", True):
-        s = torch.cuda.Stream()
-        s.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s):
-            impl.forward_tokens(x, ids, wts, w, cfg)
-        torch.cuda.current_stream().wait_stream(s)
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            out = impl.forward_tokens(x, ids, wts, w, cfg)
+        g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
     g.replay()
     first = out.clone()
     assert_bitwise_equal(first, TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x, ids, wts, w, cfg),
@@ -1056,7 +1049,7 @@ def test_gpu_half_tiles(shape):
     tile's height), pointer and TMA kernels, persistent or not; against the fp32 reference; replayed
     from a CUDA graph with new routing."""
     import moeflow.experts.triton as TE
-    from moeflow.testing import assert_bitwise_equal
+    from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
 
     name, E, H, I, K, act, layout, il, bias, woi = shape
     cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=torch.bfloat16, device="cuda", weight_on_input=woi)
@@ -1074,14 +1067,7 @@ def test_gpu_half_tiles(shape):
     impl = TE.TritonExperts(tile_config=half)
     x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
     eager = impl.forward_tokens(x, ids, wts, w, cfg)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        impl.forward_tokens(x, ids, wts, w, cfg)
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = impl.forward_tokens(x, ids, wts, w, cfg)
+    g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
     x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10)
     want2 = impl.forward_tokens(x2, ids2, wts2, w, cfg)
     for _ in range(2):
