@@ -109,3 +109,54 @@ def test_fused_gate_up_issues_half_the_wgmmas_twice_as_wide(fp8):
     for op in (" FSEL ", " STS", " LDS"):
         assert count(one, op) <= count(two, op), (op, "\n".join(one))
     assert sass_one.count("STS") == sass_two.count("STS"), "the fused epilogue's split went through shared memory"
+
+
+def _flat_case(which: str, flat: bool):
+    """(K-loop lines, (registers, spill bytes)) of a persistent TMA GEMM at its prefill tiles, FLAT on or off:
+    bf16 down BM 128 x BN 256 x BK 64 (qwen3 T = 8192's table), fp8 down BM 64 x 128 x 128, fp8 fused
+    gate_up BM 64 x 128 x 128 (quant_tile_config's prefill tiles)."""
+    from benchmarks.sass_mix import compile_kernel, gmma_loop, register_usage, sass_text
+
+    common = dict(sorted_ptr="*i32", block_expert_ptr="*i32")
+    if which == "bf16_down":
+        from moeflow.kernels.moe_gemm_tma import moe_down_tma_kernel as fn
+
+        types = dict(common, ad="tensordesc<bf16[128,64]>", ad_half="tensordesc<bf16[64,64]>",
+                     wd="tensordesc<bf16[256,64]>", y_ptr="*bf16")
+        consts = dict(WS=False, BLOCK_M=128, BLOCK_N=256, BLOCK_K=64, HALF_TAIL=False)
+        warps, stages, div16 = 8, 3, ("H", "I", "stride_yn")
+    elif which == "fp8_down":
+        from moeflow.kernels.moe_gemm_fp8_tma import moe_down_fp8_tma_kernel as fn
+
+        types = dict(common, ad="tensordesc<fp8e4nv[64,128]>", wd="tensordesc<fp8e4nv[128,128]>", as_ptr="*fp32",
+                     ws_ptr="*fp32", y_ptr="*bf16")
+        consts = dict(SCALE_E8M0=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128)
+        warps, stages, div16 = 4, 4, ("H", "I", "stride_yn")
+    else:
+        from moeflow.kernels.moe_gemm_fp8_tma import moe_gate_up_fp8_tma_kernel as fn
+
+        types = dict(FP8_GU_TYPES, wd="tensordesc<fp8e4nv[1,16,2,8,128]>")
+        consts = dict(ACT=0, SCALE_E8M0=False, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, FUSED=True)
+        warps, stages, div16 = 8, 4, ("H", "I", "stride_xq", "stride_aq")
+    consts.update(PERSISTENT=True, NUM_PROGS=132, GROUP_M=8, PDL=True, FLAT=flat)
+    k = compile_kernel(fn, types, consts, num_warps=warps, num_stages=stages, div16=div16)
+    return gmma_loop(sass_text(k)), register_usage(k)
+
+
+@needs_tools
+@pytest.mark.parametrize("which", ["bf16_down", "fp8_down", "fp8_gate_up"])
+def test_flat_persistent_gemm_is_one_loop_with_its_epilogue(which):
+    """FLAT (moe_gemm_tma._down_flat, moe_gemm_fp8_tma._fp8_down_flat / _fp8_gate_up_flat): Triton fuses the
+    tile loop and the K loop into one (the epilogue's stores sit in the wgmma loop, under a branch), which
+    the plain persistent form does not; the same wgmmas a K step, no spill. A change that puts an `if`
+    around the K loop (or makes its bounds depend on the tile) stops the fusion silently: this fails."""
+    tiled, (_, spill_tiled) = _flat_case(which, False)
+    flat, (regs, spill) = _flat_case(which, True)
+
+    def count(lines, what):
+        return sum(what in line for line in lines)
+
+    assert count(tiled, "STG") == 0 and count(flat, "STG") > 0, "\n".join(flat)
+    assert count(flat, "GMMA") == count(tiled, "GMMA") > 0, "\n".join(flat)
+    assert count(flat, "UTMALDG") == count(tiled, "UTMALDG") > 0
+    assert spill == 0 == spill_tiled and regs <= 255, (regs, spill)
