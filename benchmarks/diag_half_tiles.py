@@ -14,6 +14,10 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
               default is one [BM, 2BN] dot a K step, moeflow/kernels/moe_gemm_tma.py: FUSED)
     flat_down table with the down GEMM as one flattened persistent loop over (tile, K step)
               (experts.triton.FLAT_DOWN = True; moe_gemm_tma._down_flat; no half tiles in down)
+    heuristic moeflow.tuning.default_config: what a card with no table of its own (and no Hopper
+              sibling's, moeflow.tuning.table_device) runs (its K steps may differ: bits need not match)
+    tiled_down table with the down GEMM tiled (FLAT_DOWN = False; the default, None, runs the bf16
+              down flat at short K: table is flat_down there)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
@@ -45,16 +49,19 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec  # noqa: E402
-from moeflow.tuning import GemmTile, MoETileConfig  # noqa: E402
+from benchmarks.tune_experts import make_config, make_weights, routing, shape_key, shape_spec  # noqa: E402
+from moeflow.tuning import GemmTile, MoETileConfig, default_config  # noqa: E402
 
 DEFAULT_POINTS = ("qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:2048,deepseek-v3:8192,gpt-oss-120b:2048,"
                   "gpt-oss-120b:8192,mixtral-8x7b:2048,mixtral-8x7b:8192,ds-v4.1-like:2048,ds-v4.1-like:8192")
 
 
-def variants(table: MoETileConfig, bi: MoETileConfig) -> dict[str, MoETileConfig]:
+def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig | None = None
+             ) -> dict[str, MoETileConfig]:
     """Named configurations of one point (module docstring); half tiles only for blocks of >= 64 rows."""
     out = {"table": table}
+    if heuristic is not None:
+        out["heuristic"] = heuristic
     if table.block_m >= 64:
         out["half"] = dataclasses.replace(table, half_tail=True)
         out["full"] = dataclasses.replace(table, half_tail=False)
@@ -65,11 +72,12 @@ def variants(table: MoETileConfig, bi: MoETileConfig) -> dict[str, MoETileConfig
                                          down=dataclasses.replace(bi.down, persistent=True))
     out["two_dot"] = table
     out["flat_down"] = table
+    out["tiled_down"] = table
     return out
 
 
 # variants that are `table` run with a module flag of moeflow.experts.triton set (read at launch)
-FLAGS = {"two_dot": ("FUSED_GATE_UP", False), "flat_down": ("FLAT_DOWN", True)}
+FLAGS = {"two_dot": ("FUSED_GATE_UP", False), "flat_down": ("FLAT_DOWN", True), "tiled_down": ("FLAT_DOWN", False)}
 
 
 class Flagged:
@@ -154,7 +162,9 @@ def main(argv=None) -> int:
         if cpu:  # tiny tiles the interpreter runs quickly, 32-row blocks (so half tiles of 16 rows)
             t = GemmTile(block_n=16, block_k=16, num_stages=1)
             table = bi = MoETileConfig(block_m=32, gate_up=t, down=t)
-        named = variants(table, bi)
+        heuristic = None if cpu else default_config(shape_key(spec, dtype), T,
+                                                    torch.cuda.get_device_properties(dev).multi_processor_count)
+        named = variants(table, bi, heuristic)
         if args.variants:
             keep = {"table", *args.variants.split(",")}
             unknown = keep - set(named) - {"half", "bi_half"}

@@ -722,7 +722,7 @@ def main(argv=None) -> int:
         configs = {T: c for T, (c, _) in res["best"].items()}
         bi, bi_by_t = (res["bi"][0] if res["bi"] else None), (fam[0] if fam else None)
         if args.merge_from:
-            configs, bi, bi_by_t, decode = merge_into(load_table(shape_key(spec, dtype), device, Path(args.merge_from)),
+            configs, bi, bi_by_t, decode = merge_into(load_table(shape_key(spec, dtype), device, Path(args.merge_from), siblings=False),
                                                       configs, bi, bi_by_t, decode, replace_bi=args.replace_bi)
         path = write_table(shape_key(spec, dtype), device, configs, bi, directory=Path(args.out_dir),
                            batch_invariant_by_T=bi_by_t, decode=decode or None)

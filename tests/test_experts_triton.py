@@ -196,6 +196,29 @@ def check_token_refusals(impl, x, ids, wts, w, cfg):
     assert out.shape == (T, H) and out.dtype == x.dtype and not out.any()
 
 
+def test_flat_down_auto_rule():
+    """FLAT_DOWN None (the default): the bf16 down runs flat at <= FLAT_DOWN_AUTO_K_STEPS K steps (qwen3's
+    I = 768 at BK 64: 12), tiled above (deepseek-v3's 2048: 32); the fp8 down and gate_up, and a config
+    with half tiles (the launchers pass no auto_k) stay tiled; True / False force it. One program per SM
+    when flat (the interpreter's 4 on CPU). The launchers' auto_k: check_tma."""
+    import moeflow.experts.triton as TE
+
+    t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    cpu = torch.device("cpu")
+    assert TE.FLAT_DOWN is None and TE.FLAT_GATE_UP is False
+    assert TE.tma_gemm_programs(t, cpu, auto_k=768) == (4, True)
+    assert TE.tma_gemm_programs(t, cpu, auto_k=64 * TE.FLAT_DOWN_AUTO_K_STEPS) == (4, True)
+    assert TE.tma_gemm_programs(t, cpu, auto_k=64 * TE.FLAT_DOWN_AUTO_K_STEPS + 1) == (0, False)
+    assert TE.tma_gemm_programs(t, cpu, auto_k=2048) == (0, False)
+    assert TE.tma_gemm_programs(dataclasses.replace(t, persistent=True), cpu, auto_k=2048) == (4, False)
+    assert TE.tma_gemm_programs(t, cpu) == (0, False)  # fp8 down: no auto
+    assert TE.tma_gemm_programs(t, cpu, gate_up=True, auto_k=768) == (0, False)
+    with mock.patch.object(TE, "FLAT_DOWN", False):
+        assert TE.tma_gemm_programs(t, cpu, auto_k=768) == (0, False)
+    with mock.patch.object(TE, "FLAT_DOWN", True):
+        assert TE.tma_gemm_programs(t, cpu) == (4, True)
+
+
 def test_check_tokens_and_flat_pairs():
     from moeflow.experts.base import check_token_devices, check_tokens, flat_pairs
 
@@ -423,6 +446,31 @@ def test_tuner_merge_keeps_untuned_entries(tmp_path):
     assert sorted(dec) == [1]  # T = 8 was tuned now (the aligned path won there)
     assert got_bi == bi and by_t is None
     assert merge_into(None, new, new_bi, None, {}) == (new, new_bi, None, {})
+
+
+def test_hopper_sibling_table_serves_a_card_without_its_own(tmp_path):
+    """An H100 (no table of its own) runs the H200's tuned entries, not the heuristic; its own table wins
+    once written; a card outside HOPPER_132_SM (H100 PCIe: 114 SMs) and the tuner's merge (siblings=False)
+    never take another card's table."""
+    from moeflow.tuning import load_table, table_device
+
+    key = ShapeKey(num_experts=8, hidden_size=32, intermediate_size=32, top_k=2, layout="linear",
+                   interleaved=False, dtype="bfloat16")
+    a, b = GemmTile(block_n=16, block_k=16), GemmTile(block_n=32, block_k=32)
+    h200 = {T: MoETileConfig(block_m=64, gate_up=a, down=a) for T in (1, 8192)}
+    h100 = "NVIDIA H100 80GB HBM3"
+    assert table_device(key, h100, tmp_path) is None
+    heuristic = lookup(key, 8192, h100, directory=tmp_path)
+    write_table(key, "NVIDIA H200", h200, None, directory=tmp_path)
+    assert table_device(key, h100, tmp_path) == "NVIDIA_H200"
+    assert lookup(key, 8192, h100, directory=tmp_path) == h200[8192] != heuristic
+    assert load_table(key, h100, tmp_path, siblings=False) is None
+    assert table_device(key, "NVIDIA H100 PCIe", tmp_path) is None
+    assert lookup(key, 8192, "NVIDIA H100 PCIe", directory=tmp_path) == heuristic
+    own = {T: MoETileConfig(block_m=128, gate_up=b, down=b) for T in (1, 8192)}
+    write_table(key, h100, own, None, directory=tmp_path)
+    assert table_device(key, h100, tmp_path) == "NVIDIA_H100_80GB_HBM3"
+    assert load_table(key, h100, tmp_path)["configs"][8192] == own[8192]
 
 
 def test_decode_config_data(tmp_path):
@@ -710,21 +758,33 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
         calls["down"] += 1
         orig[1](*a)
 
-    TE._launch_gate_up_tma, TE._launch_down_tma = gate_up, down
+    auto_ks = []  # the auto_k each bf16 TMA down launch passed (FLAT_DOWN's auto rule)
+    orig_programs = TE.tma_gemm_programs
+
+    def programs(t, dev, gate_up=False, auto_k=None):
+        auto_ks.append(auto_k)
+        return orig_programs(t, dev, gate_up, auto_k)
+
+    TE._launch_gate_up_tma, TE._launch_down_tma, TE.tma_gemm_programs = gate_up, down, programs
     try:
         for name, E, H, I, K, act, layout, il, bias, _woi in FAMILIES:
             if layout != "linear" or il or bias:
                 continue
             cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device)
             pers = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=True)
-            for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers)):
+            half = dataclasses.replace(_tiny_tiles(1), block_m=32, half_tail=True)
+            for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers), half):
                 on = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=True)
                 off = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=False)
                 for T in T_list:
                     x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
                     before = dict(calls)
+                    auto_ks.clear()
                     out = on.forward_tokens(x, ids, wts, w, cfg)
                     assert calls["gate_up"] == before["gate_up"] + 1, f"{name}: gate_up did not take TMA tiles"
+                    # the auto rule sees the down's I with full tiles, nothing with half tiles
+                    want_k = [None if tiles.half_tail else I] * (tiles.down.split_k == 1)
+                    assert auto_ks == want_k, f"{name} {tiles}: auto_k {auto_ks}, expected {want_k}"
                     split = tiles.down.split_k
                     assert calls["down"] == before["down"] + (split == 1), f"{name} split {split}: down TMA calls"
                     ref, _ = reference_tokens(x, ids, wts, w, cfg)
@@ -733,14 +793,18 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                     base = off.forward_tokens(x, ids, wts, w, cfg)
                     d = (out.float() - base.float()).abs().max().item()
                     assert d <= tol * max(1.0, base.abs().max().item()), f"{name} T={T}: tma vs pointer max {d:.3e}"
-                    if split == 1:  # the flattened persistent down (FLAT_DOWN): the same bits
+                    if split == 1:  # the flattened persistent down (FLAT_DOWN) and the tiled one: the same bits
                         with mock.patch.object(TE, "FLAT_DOWN", True):
-                            flat = on.forward_tokens(x, ids, wts, w, cfg)
-                        assert calls["down"] == before["down"] + 2, f"{name}: the flat down did not take TMA tiles"
-                        assert torch.equal(flat, out), f"{name} T={T}: flat down != tiled down"
+                            flat = on.forward_tokens(x, ids, wts, w, cfg).clone()
+                        with mock.patch.object(TE, "FLAT_DOWN", False):
+                            tiled = on.forward_tokens(x, ids, wts, w, cfg)
+                        assert calls["down"] == before["down"] + 3, f"{name}: the flat down did not take TMA tiles"
+                        assert torch.equal(flat, tiled), f"{name} T={T}: flat down != tiled down"
+                        assert torch.equal(out, tiled), f"{name} T={T}: the default down != tiled down"
                     print(f"{name:13s} T={T:4d} split={split} tma rel-L2 {err:.2e}, vs pointer kernels {d:.1e}")
     finally:
         TE._launch_gate_up_tma, TE._launch_down_tma = orig
+        TE.tma_gemm_programs = orig_programs
 
 
 def check_modes(device: str, dtype: torch.dtype) -> None:
@@ -1017,7 +1081,8 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
         impl = TE.TritonExperts(tile_config=tiles, tma=True)
         for T in (1, 300, 2500):
             x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
-            want = impl.forward_tokens(x, ids, wts, w, cfg)
+            with mock.patch.object(TE, "FLAT_DOWN", False):
+                want = impl.forward_tokens(x, ids, wts, w, cfg).clone()
             with mock.patch.object(TE, "FLAT_DOWN", True):
                 got = impl.forward_tokens(x, ids, wts, w, cfg)
             assert_bitwise_equal(got, want, what=f"{name} T={T} {tiles.down}: flat down vs tiled down")
@@ -1027,11 +1092,12 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
         g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
     g.replay()
     first = out.clone()
-    assert_bitwise_equal(first, TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x, ids, wts, w, cfg),
-                         what=f"{name}: flat down replayed from a CUDA graph")
     x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10, skew=True)
-    # a second instance (its own buffers) gives the tiled down's answer for the new routing
-    want2 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
+    with mock.patch.object(TE, "FLAT_DOWN", False):
+        want1 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x, ids, wts, w, cfg).clone()
+        # a second instance (its own buffers) gives the tiled down's answer for the new routing
+        want2 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
+    assert_bitwise_equal(first, want1, what=f"{name}: flat down replayed from a CUDA graph")
     x.copy_(x2)
     ids.copy_(ids2)
     wts.copy_(wts2)

@@ -203,9 +203,29 @@ def _load(path: str) -> dict | None:
             "batch_invariant_by_T": by_t, "decode": decode}
 
 
-def load_table(key: ShapeKey, device: str, directory: Path | None = None) -> dict | None:
-    """{'configs': {T: MoETileConfig}, 'batch_invariant': MoETileConfig | None} or None."""
-    return _load(str((directory or TUNING_DIR) / key.file_name(device)))
+# Hopper parts with 132 SMs (sm_90, 228 KB shared memory a block): a table tuned on one is the best
+# start on another, where none of its own exists. Why: without it an H100 ran the heuristic tiles at
+# every shape (the tables were tuned on the H200), and lost 9% to the vLLM peer (run with its H200
+# tables) at deepseek-v3 T = 2048 (RESULTS.md, 2026-12-05). Ranked: the first sibling with a file wins.
+HOPPER_132_SM = ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3", "NVIDIA_H200_NVL", "NVIDIA_H100_NVL", "NVIDIA_H800",
+                 "NVIDIA_GH200_480GB", "NVIDIA_GH200_144G_HBM3e")
+
+
+def table_device(key: ShapeKey, device: str, directory: Path | None = None, *, siblings: bool = True) -> str | None:
+    """The device slug whose table serves `device` at this shape: its own, else (siblings=True) the
+    first of HOPPER_132_SM with a table when `device` is one of them; None when there is none."""
+    d = directory or TUNING_DIR
+    own = device_slug(device)
+    cands = [own] + ([s for s in HOPPER_132_SM if s != own] if siblings and own in HOPPER_132_SM else [])
+    return next((c for c in cands if (d / key.file_name(c)).is_file()), None)
+
+
+def load_table(key: ShapeKey, device: str, directory: Path | None = None, *, siblings: bool = True) -> dict | None:
+    """{'configs': {T: MoETileConfig}, 'batch_invariant': MoETileConfig | None, ...} or None.
+    siblings=True: a Hopper sibling's table when the device has none of its own (table_device); the
+    tuner's --merge-from passes False so it never writes another card's entries under this one."""
+    src = table_device(key, device, directory, siblings=siblings)
+    return None if src is None else _load(str((directory or TUNING_DIR) / key.file_name(src)))
 
 
 def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
