@@ -199,7 +199,7 @@ def check_token_refusals(impl, x, ids, wts, w, cfg):
 def test_flat_down_auto_rule():
     """FLAT_DOWN None (the default): the bf16 down runs flat at <= FLAT_DOWN_AUTO_K_STEPS K steps (qwen3's
     I = 768 at BK 64: 12), tiled above (deepseek-v3's 2048: 32); the fp8 down and gate_up, and a config
-    with half tiles (the launchers pass no auto_k) stay tiled; True / False force it. One program per SM
+    with half tiles or BM < 128 (the launchers pass no auto_k) stay tiled; True / False force it. One program per SM
     when flat (the interpreter's 4 on CPU). The launchers' auto_k: check_tma."""
     import moeflow.experts.triton as TE
 
@@ -773,7 +773,9 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
             cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device)
             pers = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=True)
             half = dataclasses.replace(_tiny_tiles(1), block_m=32, half_tail=True)
-            for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers), half):
+            full_128 = dataclasses.replace(_tiny_tiles(1), block_m=128)  # the auto rule's flat case
+            for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers), half,
+                          full_128):
                 on = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=True)
                 off = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=False)
                 for T in T_list:
@@ -782,8 +784,9 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                     auto_ks.clear()
                     out = on.forward_tokens(x, ids, wts, w, cfg)
                     assert calls["gate_up"] == before["gate_up"] + 1, f"{name}: gate_up did not take TMA tiles"
-                    # the auto rule sees the down's I with full tiles, nothing with half tiles
-                    want_k = [None if tiles.half_tail else I] * (tiles.down.split_k == 1)
+                    # the auto rule sees the down's I on full 128-row tiles only
+                    full_128 = tiles.block_m >= 128 and not tiles.half_tail
+                    want_k = [I if full_128 else None] * (tiles.down.split_k == 1)
                     assert auto_ks == want_k, f"{name} {tiles}: auto_k {auto_ks}, expected {want_k}"
                     split = tiles.down.split_k
                     assert calls["down"] == before["down"] + (split == 1), f"{name} split {split}: down TMA calls"

@@ -112,11 +112,12 @@ FUSED_GATE_UP = True
 # SM whatever the tile's `persistent`, no half tiles; the same bits. FLAT_GATE_UP: the same for the fp8
 # gate_up (_fp8_gate_up_flat; the bf16 gate_up has no flat form). Module flags so the diagnostics can
 # A/B them (benchmarks/diag_half_tiles.py, diag_fp8_prefill.py). FLAT_DOWN = None: the bf16 down runs
-# flat where its K loop is short (at most FLAT_DOWN_AUTO_K_STEPS steps of BK) and its tiles take no half
-# tiles (the flat loop has none); the fp8 down does not. Why that rule (H100, 2026-12-05, RESULTS.md):
-# with full tiles flat won 4-7% at qwen3 (I = 768: 12 steps of BK 64, T = 2048 and 8192, uniform and
-# Zipf); with the tuned half-tile entries it lost 6% at qwen3 T = 2048 and won 2% at T = 8192; it lost
-# 5-9% at deepseek-v3 T = 2048 (32 steps, 64 rows an expert) and 10% in the fp8 down at qwen3.
+# flat where its K loop is short (at most FLAT_DOWN_AUTO_K_STEPS steps of BK) on full 128-row tiles
+# (BM >= 128, no half tiles: the flat loop has none); the fp8 down does not. Why that rule (H100,
+# 2026-12-05, RESULTS.md): on full BM 128 tiles flat won 4-7% at qwen3 (I = 768: 12 steps of BK 64,
+# T = 2048 and 8192, uniform and Zipf); with the tuned half-tile entries it lost 6% at qwen3 T = 2048
+# and won 2% at T = 8192; on the BM 16-64 tiles of T = 16-512 it lost 0-3%; it lost 5-9% at
+# deepseek-v3 T = 2048 (32 steps) and 10% in the fp8 down at qwen3.
 FLAT_DOWN: bool | None = None
 FLAT_DOWN_AUTO_K_STEPS = 16
 FLAT_GATE_UP = False
@@ -546,8 +547,9 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
                if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    # auto (FLAT_DOWN None): flat only at short K and full tiles (see FLAT_DOWN)
-    progs, flat = tma_gemm_programs(t, plan.act_PI.device, auto_k=None if plan.cfg.half_tail else plan.I)
+    # auto (FLAT_DOWN None): flat only at short K on full 128-row tiles (see FLAT_DOWN)
+    full_128 = BM >= 128 and not plan.cfg.half_tail
+    progs, flat = tma_gemm_programs(t, plan.act_PI.device, auto_k=plan.I if full_128 else None)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
         ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),
