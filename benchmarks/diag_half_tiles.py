@@ -17,7 +17,7 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     heuristic moeflow.tuning.default_config: what a card with no table of its own (and no Hopper
               sibling's, moeflow.tuning.table_device) runs (its K steps may differ: bits need not match)
     tiled_down table with the down GEMM tiled (FLAT_DOWN = False; the default, None, runs the bf16
-              down flat at short K: table is flat_down there)
+              down flat at short K on full 128-row tiles: table is flat_down there)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
