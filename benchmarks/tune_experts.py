@@ -455,6 +455,23 @@ def with_half(cands: list) -> list:
                           if c.block_m in HALF_BMS and not c.half_tail]
 
 
+def with_flat(cands: list, spec: dict) -> list:
+    """cands plus, after them, each one-split candidate with the other choice of down GEMM form than
+    FLAT_DOWN's rule gives it (MoETileConfig.flat_down; moeflow.experts.triton: the flattened
+    persistent down, same bits). Only shapes whose down takes TMA tiles (linear, no bias). Why: the
+    rule was fixed from a few points (RESULTS.md, 2026-12-05: +2..7% or -3..9% by tiles and T)."""
+    from moeflow.experts import triton as mt
+
+    if spec["layout"] != "linear" or spec["interleaved"] or spec["bias"]:
+        return list(cands)
+
+    def rule(c) -> bool:
+        return c.block_m >= 128 and not c.half_tail and -(-spec["I"] // c.down.block_k) <= mt.FLAT_DOWN_AUTO_K_STEPS
+
+    return list(cands) + [(t, dataclasses.replace(c, flat_down=not rule(c))) for t, c in cands
+                          if c.down.split_k == 1 and c.flat_down is None]
+
+
 def time_many(fns: dict, reps: int, log) -> dict:
     """{name: median s of one CUDA-graph replay} of each fn, timed round-robin (benchmarks.common.
     time_cuda_graphs_interleaved: the GPU's clocks drift under a power cap, so candidates timed one
@@ -475,7 +492,8 @@ def time_many(fns: dict, reps: int, log) -> dict:
     return time_cuda_graphs_interleaved(ok, rounds=max(2, reps // 2), reps=2)
 
 
-def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, half: bool = True) -> dict:
+def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, half: bool = True,
+                flat: bool = True) -> dict:
     """{T: (cfg, replay s, stage-sum choice's replay s)}: the fastest of `ranked[T]` timed whole.
 
     The stage sums time each kernel alone after its own L2 flush, launched eagerly. A step runs
@@ -484,7 +502,7 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, 
     on the H200 (2026-12-04) ds-v4.1-like T = 1 had kept BM = 64 tiles (97.2 us a step) by its
     stage sums. So the few best by stage sum are timed again as whole steps (`time_many`, graph
     replays round-robin) and the fastest is kept. half: also time each BM 64 / 128 candidate with
-    half tiles (`with_half`).
+    half tiles (`with_half`); flat: also each with the other down GEMM form (`with_flat`, TMA only).
     """
     from moeflow.experts import triton as mt
 
@@ -495,6 +513,7 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, 
     out = {}
     for T, cands in sorted(ranked.items()):
         cands = with_half(cands) if half else list(cands)
+        cands = with_flat(cands, spec) if flat and tma else cands
         ids, wts = routing(T, E, K, "uniform", dev)
         x = torch.randn(T, H, device=dev, dtype=dtype)
         ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
@@ -509,7 +528,7 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, 
         out[T] = (c, t, first)
         if first is not None and i_best != 0:
             log(f"  refine T={T}: whole step {t * 1e6:.1f} us against {first * 1e6:.1f} us for the stage-sum choice"
-                + (" (half tiles)" if c.half_tail else ""))
+                + (" (half tiles)" if c.half_tail else "") + ("" if c.flat_down is None else f" (flat_down={c.flat_down})"))
     return out
 
 
@@ -647,6 +666,9 @@ def main(argv=None) -> int:
     ap.add_argument("--no-half", dest="half", action="store_false",
                     help="do not time the BM 64 / 128 candidates with half tiles (MoETileConfig.half_tail) in "
                          "the whole-step refinement")
+    ap.add_argument("--no-flat", dest="flat", action="store_false",
+                    help="do not time the other down GEMM form (MoETileConfig.flat_down) of the one-split "
+                         "candidates in the whole-step refinement (TMA shapes only)")
     ap.add_argument("--replace-bi", action="store_true",
                     help="with --merge-from: write this run's batch-invariant entries (checked bit for bit) "
                          "instead of keeping the old ones; run it over every T the table serves")
@@ -698,7 +720,8 @@ def main(argv=None) -> int:
                 fam = None
         if fam is not None and args.half and not args.dry_run:
             # half tiles give the same bits, so each T's family tiles may take them where faster
-            halved = refine_best(spec, {T: [(0.0, c)] for T, c in fam[0].items()}, args.reps, log, dtype=dtype)
+            halved = refine_best(spec, {T: [(0.0, c)] for T, c in fam[0].items()}, args.reps, log, dtype=dtype,
+                                 flat=args.flat)
             table = {T: halved[T][0] if T in halved else c for T, c in fam[0].items()}
             if table != fam[0]:
                 ok, note = verify_family(spec, table, dtype)
@@ -707,7 +730,7 @@ def main(argv=None) -> int:
                 if ok:
                     fam = (table, *fam[1:])
         if args.refine:
-            refined = refine_best(spec, res["ranked"], args.reps, log, dtype=dtype, half=args.half)
+            refined = refine_best(spec, res["ranked"], args.reps, log, dtype=dtype, half=args.half, flat=args.flat)
             res["refined"] = {str(T): {"cfg": c.to_dict(), "replay_us": t * 1e6,
                                        "stage_sum_choice_replay_us": None if t0_ is None else t0_ * 1e6}
                               for T, (c, t, t0_) in refined.items()}
@@ -745,7 +768,7 @@ def main(argv=None) -> int:
             log(f"  T={T:5d} {t * 1e6:9.1f} us  BM={c.block_m} gu=({c.gate_up.block_n},{c.gate_up.block_k},"
                 f"{c.gate_up.num_warps},{c.gate_up.num_stages}{gp}) dn=({c.down.block_n},{c.down.block_k},"
                 f"{c.down.num_warps},{c.down.num_stages},S{c.down.split_k}{dp})"
-                + (" half tiles" if c.half_tail else ""))
+                + (" half tiles" if c.half_tail else "") + ("" if c.flat_down is None else f" flat_down={c.flat_down}"))
         if res["bi"]:
             log(f"  batch-invariant: worst ratio {res['bi'][1]:.3f} cfg {res['bi'][0].to_dict()}")
         if args.log_json:

@@ -298,6 +298,18 @@ def test_half_tail_config():
         MoETileConfig.from_dict({**c.to_dict(), "tail": None})
 
 
+def test_flat_down_config():
+    """MoETileConfig.flat_down: round trip (absent from the dict when None), refusal by name."""
+    t = GemmTile(block_n=64, block_k=64)
+    for v in (True, False):
+        c = MoETileConfig(block_m=64, gate_up=t, down=t, flat_down=v)
+        assert c.to_dict()["flat_down"] is v
+        assert MoETileConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    assert "flat_down" not in MoETileConfig(block_m=64, gate_up=t, down=t).to_dict()
+    with pytest.raises(ValueError, match="flat_down=1"):
+        MoETileConfig(block_m=64, gate_up=t, down=t, flat_down=1)
+
+
 def test_nearest_key_log_scale():
     keys = [1, 4, 16, 64, 1024]
     assert nearest_key(keys, 1) == 1
@@ -761,9 +773,13 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
     auto_ks = []  # the auto_k each bf16 TMA down launch passed (FLAT_DOWN's auto rule)
     orig_programs = TE.tma_gemm_programs
 
-    def programs(t, dev, gate_up=False, auto_k=None):
+    flats = []  # what each of those launches decided
+
+    def programs(t, dev, gate_up=False, auto_k=None, cfg_flat=None):
         auto_ks.append(auto_k)
-        return orig_programs(t, dev, gate_up, auto_k)
+        progs, flat = orig_programs(t, dev, gate_up, auto_k, cfg_flat)
+        flats.append(flat)
+        return progs, flat
 
     TE._launch_gate_up_tma, TE._launch_down_tma, TE.tma_gemm_programs = gate_up, down, programs
     try:
@@ -774,20 +790,26 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
             pers = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=True)
             half = dataclasses.replace(_tiny_tiles(1), block_m=32, half_tail=True)
             full_128 = dataclasses.replace(_tiny_tiles(1), block_m=128)  # the auto rule's flat case
+            # a config's flat_down beats the rule both ways
+            forced = (dataclasses.replace(_tiny_tiles(1), flat_down=True), dataclasses.replace(full_128, flat_down=False))
             for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers), half,
-                          full_128):
+                          full_128, *forced):
                 on = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=True)
                 off = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=False)
                 for T in T_list:
                     x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
                     before = dict(calls)
                     auto_ks.clear()
+                    flats.clear()
                     out = on.forward_tokens(x, ids, wts, w, cfg)
                     assert calls["gate_up"] == before["gate_up"] + 1, f"{name}: gate_up did not take TMA tiles"
                     # the auto rule sees the down's I on full 128-row tiles only
                     full_128 = tiles.block_m >= 128 and not tiles.half_tail
                     want_k = [I if full_128 else None] * (tiles.down.split_k == 1)
                     assert auto_ks == want_k, f"{name} {tiles}: auto_k {auto_ks}, expected {want_k}"
+                    rule = full_128 and -(-I // tiles.down.block_k) <= TE.FLAT_DOWN_AUTO_K_STEPS
+                    want_flat = [rule if tiles.flat_down is None else tiles.flat_down] * (tiles.down.split_k == 1)
+                    assert flats == want_flat, f"{name} {tiles}: flat {flats}, expected {want_flat}"
                     split = tiles.down.split_k
                     assert calls["down"] == before["down"] + (split == 1), f"{name} split {split}: down TMA calls"
                     ref, _ = reference_tokens(x, ids, wts, w, cfg)

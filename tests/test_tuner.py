@@ -64,6 +64,40 @@ def test_refine_times_half_tiles(monkeypatch):
     assert out[7][0] == a
 
 
+def test_refine_times_the_other_down_form(monkeypatch):
+    """with_flat adds each one-split candidate with the down GEMM form FLAT_DOWN's rule would not give
+    it (flat_down=True, or False where the rule runs it flat) on TMA shapes, none on interleaved / biased
+    ones; refine keeps the flat config when its whole step is fastest, and flat=False leaves it out."""
+    import dataclasses
+
+    import torch
+
+    import benchmarks.tune_experts as te
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    lin = te.shape_spec("tiny-silu")
+    assert lin["layout"] == "linear" and not lin["interleaved"] and not lin["bias"]
+    small = MoETileConfig(block_m=16, gate_up=t, down=t)                  # the rule: tiled
+    full = MoETileConfig(block_m=128, gate_up=t, down=t)                  # the rule: flat at I <= 16 * 64
+    split = MoETileConfig(block_m=16, gate_up=t, down=dataclasses.replace(t, split_k=2))  # no TMA down
+    assert lin["I"] <= 16 * 64
+    got = te.with_flat([(1.0, small), (2.0, full), (3.0, split)], lin)
+    assert got == [(1.0, small), (2.0, full), (3.0, split), (1.0, dataclasses.replace(small, flat_down=True)),
+                   (2.0, dataclasses.replace(full, flat_down=False))]
+    assert te.with_flat(got, lin)[len(got):] == got[3:]  # explicit choices are not flipped again
+    assert te.with_flat([(1.0, small)], te.shape_spec("tiny-gptoss")) == [(1.0, small)]  # interleaved, biased
+    sf = dataclasses.replace(small, flat_down=True)
+    whole = {small: 9e-6, sf: 8e-6}
+    monkeypatch.setattr(te, "time_many", lambda fns, reps, log: {k: whole[fn.__defaults__[0]] for k, fn in fns.items()})
+    monkeypatch.setattr(te, "tma_wanted", lambda dev: True)
+    kw = dict(reps=2, log=lambda m: None, dtype=torch.float32, half=False)
+    assert te.refine_best(lin, {7: [(1e-6, small)]}, **kw)[7][0] == sf
+    assert te.refine_best(lin, {7: [(1e-6, small)]}, flat=False, **kw)[7][0] == small
+    monkeypatch.setattr(te, "tma_wanted", lambda dev: False)  # no TMA: no flat candidates
+    assert te.refine_best(lin, {7: [(1e-6, small)]}, **kw)[7][0] == small
+
+
 def test_merge_replace_bi():
     """merge_into keeps the old batch-invariant entries unless replace_bi, then takes the run's."""
     import benchmarks.tune_experts as te

@@ -117,7 +117,9 @@ FUSED_GATE_UP = True
 # 2026-12-05, RESULTS.md): on full BM 128 tiles flat won 4-7% at qwen3 (I = 768: 12 steps of BK 64,
 # T = 2048 and 8192, uniform and Zipf); with the tuned half-tile entries it lost 6% at qwen3 T = 2048
 # and won 2% at T = 8192; on the BM 16-64 tiles of T = 16-512 it lost 0-3%; it lost 5-9% at
-# deepseek-v3 T = 2048 (32 steps) and 10% in the fp8 down at qwen3.
+# deepseek-v3 T = 2048 (32 steps) and 10% in the fp8 down at qwen3. A tile entry's MoETileConfig.flat_down
+# (True / False, chosen by benchmarks/tune_experts.py's refinement) overrides the rule; the flag set to
+# True / False overrides both.
 FLAT_DOWN: bool | None = None
 FLAT_DOWN_AUTO_K_STEPS = 16
 FLAT_GATE_UP = False
@@ -490,12 +492,16 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
-def tma_gemm_programs(t, dev: torch.device, gate_up: bool = False, auto_k: int | None = None) -> tuple[int, bool]:
+def tma_gemm_programs(t, dev: torch.device, gate_up: bool = False, auto_k: int | None = None,
+                      cfg_flat: bool | None = None) -> tuple[int, bool]:
     """(programs, flat) of a TMA down GEMM launch (bf16 and fp8; gate_up=True: of the fp8 gate_up):
-    FLAT_DOWN (FLAT_GATE_UP) runs the flattened loop with one program per SM whatever t.persistent;
-    else persistent_programs(t, dev). FLAT_DOWN None (auto): flat when the caller passes its K (auto_k:
-    the bf16 down's I) and it is at most FLAT_DOWN_AUTO_K_STEPS steps of t.block_k."""
+    flat runs the flattened loop with one program per SM whatever t.persistent; else
+    persistent_programs(t, dev). Whether flat, first that is not None: FLAT_DOWN (FLAT_GATE_UP), the
+    config's choice (cfg_flat: MoETileConfig.flat_down), the auto rule: flat when the caller passes its
+    K (auto_k: the bf16 down's I) and it is at most FLAT_DOWN_AUTO_K_STEPS steps of t.block_k."""
     flat = FLAT_GATE_UP if gate_up else FLAT_DOWN
+    if flat is None and not gate_up:
+        flat = cfg_flat
     if flat is None:
         flat = auto_k is not None and -(-auto_k // t.block_k) <= FLAT_DOWN_AUTO_K_STEPS
     return persistent_programs(dataclasses.replace(t, persistent=True) if flat else t, dev), flat
@@ -549,7 +555,8 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
     tiles = plan.max_blocks * (H // t.block_n)
     # auto (FLAT_DOWN None): flat only at short K on full 128-row tiles (see FLAT_DOWN)
     full_128 = BM >= 128 and not plan.cfg.half_tail
-    progs, flat = tma_gemm_programs(t, plan.act_PI.device, auto_k=plan.I if full_128 else None)
+    progs, flat = tma_gemm_programs(t, plan.act_PI.device, auto_k=plan.I if full_128 else None,
+                                    cfg_flat=plan.cfg.flat_down)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
         ad, ad_half, wd, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles, y.stride(1),

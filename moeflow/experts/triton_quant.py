@@ -684,7 +684,7 @@ def _launch_fp8_down_tma(plan: _Plan, w: ExpertWeights, ws: torch.Tensor) -> Non
     ad = TensorDescriptor(plan.aq_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    progs, flat = tma_gemm_programs(t, plan.aq_PI.device)
+    progs, flat = tma_gemm_programs(t, plan.aq_PI.device, cfg_flat=plan.cfg.flat_down)
     y = plan.y_SNH
     moe_down_fp8_tma_kernel[(progs or tiles,)](
         ad, plan.as_PG, wd, ws, y, plan.sorted_P, plan.block_expert_B, plan.N, H, I, plan.max_blocks, tiles,

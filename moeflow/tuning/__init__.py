@@ -88,12 +88,18 @@ class MoETileConfig:
     holding at most block_m / 2 pairs) runs as a block_m / 2-row tile in the same kernel
     (moeflow/kernels/moe_gemm.py, HALF_TAIL): less padding computed, the full blocks keep
     block_m's efficiency, and a row's dot products take the same K steps, so the same bits.
+
+    flat_down: where the down GEMM takes TMA tiles (Hopper, linear layout, one split), True runs
+    it as one flattened persistent loop over (tile, K step) (moe_gemm_tma._down_flat, the fp8
+    _fp8_down_flat; without half tiles: the same bits), False tiled; None (default) leaves it to
+    moeflow.experts.triton.FLAT_DOWN's rule. The module flag set to True / False overrides both.
     """
 
     block_m: int
     gate_up: GemmTile
     down: GemmTile
     half_tail: bool = False
+    flat_down: bool | None = None
 
     def __post_init__(self) -> None:
         if self.block_m not in _POW2:
@@ -104,6 +110,8 @@ class MoETileConfig:
             )
         if not isinstance(self.half_tail, bool):
             raise ValueError(f"MoETileConfig.half_tail={self.half_tail!r}: expected a bool")
+        if self.flat_down is not None and not isinstance(self.flat_down, bool):
+            raise ValueError(f"MoETileConfig.flat_down={self.flat_down!r}: expected True, False or None")
         if self.half_tail and self.block_m < 32:
             raise ValueError(f"MoETileConfig.half_tail with block_m={self.block_m}: expected block_m >= 32 "
                              "(a half tile is a dot of >= 16 rows)")
@@ -112,16 +120,18 @@ class MoETileConfig:
         d = {"block_m": self.block_m, "gate_up": asdict(self.gate_up), "down": asdict(self.down)}
         if self.half_tail:  # tables without half tiles keep their exact keys
             d["half_tail"] = True
+        if self.flat_down is not None:  # likewise
+            d["flat_down"] = self.flat_down
         return d
 
     @classmethod
     def from_dict(cls, d: dict) -> MoETileConfig:
         keys = {"block_m", "gate_up", "down"}
-        if not isinstance(d, dict) or not keys <= set(d) <= keys | {"half_tail"}:
-            raise ValueError(f"MoETileConfig: expected keys block_m, gate_up, down (and optionally half_tail); "
-                             f"got {d!r}")
+        if not isinstance(d, dict) or not keys <= set(d) <= keys | {"half_tail", "flat_down"}:
+            raise ValueError(f"MoETileConfig: expected keys block_m, gate_up, down (and optionally half_tail, "
+                             f"flat_down); got {d!r}")
         return cls(block_m=d["block_m"], gate_up=GemmTile(**d["gate_up"]), down=GemmTile(**d["down"]),
-                   half_tail=d.get("half_tail", False))
+                   half_tail=d.get("half_tail", False), flat_down=d.get("flat_down"))
 
 
 @dataclass(frozen=True, kw_only=True)
