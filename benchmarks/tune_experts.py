@@ -464,11 +464,7 @@ def with_flat(cands: list, spec: dict) -> list:
 
     if spec["layout"] != "linear" or spec["interleaved"] or spec["bias"]:
         return list(cands)
-
-    def rule(c) -> bool:
-        return c.block_m >= 128 and not c.half_tail and -(-spec["I"] // c.down.block_k) <= mt.FLAT_DOWN_AUTO_K_STEPS
-
-    return list(cands) + [(t, dataclasses.replace(c, flat_down=not rule(c))) for t, c in cands
+    return list(cands) + [(t, dataclasses.replace(c, flat_down=not mt.flat_down_rule(c, spec["I"]))) for t, c in cands
                           if c.down.split_k == 1 and c.flat_down is None]
 
 

@@ -198,25 +198,31 @@ def check_token_refusals(impl, x, ids, wts, w, cfg):
 
 def test_flat_down_auto_rule():
     """FLAT_DOWN None (the default): the bf16 down runs flat at <= FLAT_DOWN_AUTO_K_STEPS K steps (qwen3's
-    I = 768 at BK 64: 12), tiled above (deepseek-v3's 2048: 32); the fp8 down and gate_up, and a config
-    with half tiles or BM < 128 (the launchers pass no auto_k) stay tiled; True / False force it. One program per SM
-    when flat (the interpreter's 4 on CPU). The launchers' auto_k: check_tma."""
+    I = 768 at BK 64: 12) on full 128-row tiles (flat_down_rule), tiled above (deepseek-v3's 2048: 32), with
+    half tiles or BM < 128; the fp8 down and gate_up (no by_rule) stay tiled; True / False force it. One
+    program per SM when flat (the interpreter's 4 on CPU). The launchers' by_rule: check_tma."""
     import moeflow.experts.triton as TE
 
     t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
+    full = MoETileConfig(block_m=128, gate_up=t, down=t)
+    assert TE.flat_down_rule(full, 768)
+    assert TE.flat_down_rule(full, 64 * TE.FLAT_DOWN_AUTO_K_STEPS)
+    assert not TE.flat_down_rule(full, 64 * TE.FLAT_DOWN_AUTO_K_STEPS + 1)
+    assert not TE.flat_down_rule(full, 2048)
+    assert not TE.flat_down_rule(dataclasses.replace(full, half_tail=True), 768)
+    assert not TE.flat_down_rule(dataclasses.replace(full, block_m=64), 768)
     cpu = torch.device("cpu")
     assert TE.FLAT_DOWN is None and TE.FLAT_GATE_UP is False
-    assert TE.tma_gemm_programs(t, cpu, auto_k=768) == (4, True)
-    assert TE.tma_gemm_programs(t, cpu, auto_k=64 * TE.FLAT_DOWN_AUTO_K_STEPS) == (4, True)
-    assert TE.tma_gemm_programs(t, cpu, auto_k=64 * TE.FLAT_DOWN_AUTO_K_STEPS + 1) == (0, False)
-    assert TE.tma_gemm_programs(t, cpu, auto_k=2048) == (0, False)
-    assert TE.tma_gemm_programs(dataclasses.replace(t, persistent=True), cpu, auto_k=2048) == (4, False)
-    assert TE.tma_gemm_programs(t, cpu) == (0, False)  # fp8 down: no auto
-    assert TE.tma_gemm_programs(t, cpu, gate_up=True, auto_k=768) == (0, False)
+    assert TE.tma_gemm_programs(t, cpu, by_rule=True) == (4, True)
+    assert TE.tma_gemm_programs(t, cpu) == (0, False)  # fp8 down: no rule
+    assert TE.tma_gemm_programs(dataclasses.replace(t, persistent=True), cpu) == (4, False)
+    assert TE.tma_gemm_programs(t, cpu, gate_up=True, by_rule=True, cfg_flat=True) == (0, False)
+    assert TE.tma_gemm_programs(t, cpu, by_rule=True, cfg_flat=False) == (0, False)  # the config wins
+    assert TE.tma_gemm_programs(t, cpu, cfg_flat=True) == (4, True)
     with mock.patch.object(TE, "FLAT_DOWN", False):
-        assert TE.tma_gemm_programs(t, cpu, auto_k=768) == (0, False)
+        assert TE.tma_gemm_programs(t, cpu, by_rule=True, cfg_flat=True) == (0, False)
     with mock.patch.object(TE, "FLAT_DOWN", True):
-        assert TE.tma_gemm_programs(t, cpu) == (4, True)
+        assert TE.tma_gemm_programs(t, cpu, cfg_flat=False) == (4, True)
 
 
 def test_check_tokens_and_flat_pairs():
@@ -770,14 +776,13 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
         calls["down"] += 1
         orig[1](*a)
 
-    auto_ks = []  # the auto_k each bf16 TMA down launch passed (FLAT_DOWN's auto rule)
+    by_rules = []  # the by_rule each bf16 TMA down launch passed (FLAT_DOWN's auto rule)
+    flats = []  # what each of those launches decided
     orig_programs = TE.tma_gemm_programs
 
-    flats = []  # what each of those launches decided
-
-    def programs(t, dev, gate_up=False, auto_k=None, cfg_flat=None):
-        auto_ks.append(auto_k)
-        progs, flat = orig_programs(t, dev, gate_up, auto_k, cfg_flat)
+    def programs(t, dev, gate_up=False, by_rule=False, cfg_flat=None):
+        by_rules.append(by_rule)
+        progs, flat = orig_programs(t, dev, gate_up, by_rule, cfg_flat)
         flats.append(flat)
         return progs, flat
 
@@ -799,15 +804,15 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                 for T in T_list:
                     x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
                     before = dict(calls)
-                    auto_ks.clear()
+                    by_rules.clear()
                     flats.clear()
                     out = on.forward_tokens(x, ids, wts, w, cfg)
                     assert calls["gate_up"] == before["gate_up"] + 1, f"{name}: gate_up did not take TMA tiles"
-                    # the auto rule sees the down's I on full 128-row tiles only
+                    # the auto rule: flat at short K on full 128-row tiles only
                     full_128 = tiles.block_m >= 128 and not tiles.half_tail
-                    want_k = [I if full_128 else None] * (tiles.down.split_k == 1)
-                    assert auto_ks == want_k, f"{name} {tiles}: auto_k {auto_ks}, expected {want_k}"
                     rule = full_128 and -(-I // tiles.down.block_k) <= TE.FLAT_DOWN_AUTO_K_STEPS
+                    want_rule = [rule] * (tiles.down.split_k == 1)
+                    assert by_rules == want_rule, f"{name} {tiles}: by_rule {by_rules}, expected {want_rule}"
                     want_flat = [rule if tiles.flat_down is None else tiles.flat_down] * (tiles.down.split_k == 1)
                     assert flats == want_flat, f"{name} {tiles}: flat {flats}, expected {want_flat}"
                     split = tiles.down.split_k

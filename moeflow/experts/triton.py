@@ -492,18 +492,24 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     )
 
 
-def tma_gemm_programs(t, dev: torch.device, gate_up: bool = False, auto_k: int | None = None,
+def flat_down_rule(cfg: MoETileConfig, I: int) -> bool:
+    """FLAT_DOWN's auto rule for the bf16 down of cfg at intermediate size I: full 128-row tiles (BM >= 128,
+    no half tiles) and at most FLAT_DOWN_AUTO_K_STEPS K steps (see FLAT_DOWN for the measurements)."""
+    return cfg.block_m >= 128 and not cfg.half_tail and -(-I // cfg.down.block_k) <= FLAT_DOWN_AUTO_K_STEPS
+
+
+def tma_gemm_programs(t, dev: torch.device, gate_up: bool = False, by_rule: bool = False,
                       cfg_flat: bool | None = None) -> tuple[int, bool]:
     """(programs, flat) of a TMA down GEMM launch (bf16 and fp8; gate_up=True: of the fp8 gate_up):
     flat runs the flattened loop with one program per SM whatever t.persistent; else
     persistent_programs(t, dev). Whether flat, first that is not None: FLAT_DOWN (FLAT_GATE_UP), the
-    config's choice (cfg_flat: MoETileConfig.flat_down), the auto rule: flat when the caller passes its
-    K (auto_k: the bf16 down's I) and it is at most FLAT_DOWN_AUTO_K_STEPS steps of t.block_k."""
+    config's choice (cfg_flat: MoETileConfig.flat_down), the caller's default (by_rule: the bf16 down
+    passes flat_down_rule, the fp8 GEMMs nothing)."""
     flat = FLAT_GATE_UP if gate_up else FLAT_DOWN
     if flat is None and not gate_up:
         flat = cfg_flat
     if flat is None:
-        flat = auto_k is not None and -(-auto_k // t.block_k) <= FLAT_DOWN_AUTO_K_STEPS
+        flat = by_rule
     return persistent_programs(dataclasses.replace(t, persistent=True) if flat else t, dev), flat
 
 
@@ -553,9 +559,7 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
                if plan.cfg.half_tail else ad)
     wd = TensorDescriptor(w.down, shape=[E * H, I], strides=[I, 1], block_shape=[t.block_n, t.block_k])
     tiles = plan.max_blocks * (H // t.block_n)
-    # auto (FLAT_DOWN None): flat only at short K on full 128-row tiles (see FLAT_DOWN)
-    full_128 = BM >= 128 and not plan.cfg.half_tail
-    progs, flat = tma_gemm_programs(t, plan.act_PI.device, auto_k=plan.I if full_128 else None,
+    progs, flat = tma_gemm_programs(t, plan.act_PI.device, by_rule=flat_down_rule(plan.cfg, I),
                                     cfg_flat=plan.cfg.flat_down)
     y = plan.y_SNH
     moe_down_tma_kernel[(progs or tiles,)](
