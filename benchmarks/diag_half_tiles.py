@@ -22,6 +22,11 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
               routing, checked against our table's output (rel-L2 <= 2e-2) before it is timed
+    gmm       (--gmm) torch's grouped GEMM (F.grouped_mm: CUTLASS's sm90 grouped kernel on Hopper) for
+              gate_up and down plus the activation, on rows already sorted by expert (no sort, no
+              combine: less work than a step; benchmarks/bench_experts.torch_gmm_runner), checked
+              against our output after its unpermute and combine (rel-L2 <= 2e-2). It answers issue
+              16 item 1's question: is another existing kernel faster at this point?
 Each variant's output is compared with its base bit for bit ("bits": = or !=; table for half /
 full, bi for bi_*): a row's dot products take the same K steps whatever the tile height or
 schedule, so the bits must match.
@@ -110,6 +115,22 @@ def mm_roof(step_s: float, dev) -> tuple[object, float]:
     return fn, 2.0 * n**3 * reps
 
 
+def gmm_step(x, ids, wts, w, cfg, ours, where: str):
+    """torch's grouped GEMMs on rows pre-sorted by expert (gate_up, activation, down), checked against
+    `ours` [T, H] after unpermute + combine; returns the timed fn (GEMMs and activation only)."""
+    from benchmarks.bench_experts import torch_gmm_runner
+
+    runner, why = torch_gmm_runner(x, ids, w, cfg)
+    if runner is None:
+        raise SystemExit(f"{where}: --gmm: {why}")
+    run, unpermute = runner
+    y = (unpermute(run()).float() * wts.float()[..., None]).sum(1)
+    err = float((y - ours.float()).norm() / ours.float().norm())
+    if not err <= 2e-2:
+        raise SystemExit(f"{where}: torch grouped_mm is off our output by rel-L2 {err:.3g}")
+    return run
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--points", default=DEFAULT_POINTS, help="shape:T,... (standard shapes)")
@@ -118,6 +139,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=3, help="timed replays of each variant per pass")
     ap.add_argument("--json", default=None)
     ap.add_argument("--vllm", action="store_true", help="time the vLLM peer in the same rotation")
+    ap.add_argument("--gmm", action="store_true",
+                    help="time torch's grouped GEMM (CUTLASS) on pre-sorted rows in the same rotation")
     ap.add_argument("--variants", default=None, help="comma list of the variants to run (table always runs)")
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shape, under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
@@ -196,6 +219,8 @@ def main(argv=None) -> int:
                 if not err <= 2e-2:
                     raise SystemExit(f"{name} T={T} {dist}: the vLLM peer is off our output by rel-L2 {err:.3g}")
                 fns["vllm"] = lambda peer=peer, a=(x, ids, wts): peer(*a)
+            if args.gmm:
+                fns["gmm"] = gmm_step(x, ids, wts, w, cfg, outs["table"], f"{name} T={T} {dist}")
             times = timer(fns)
             flop = 2 * 3 * T * K * H * I
             print(f"{name:14s} T={T:5d} {dist:7s} sustained roof {times['roof_flops'] / 1e12:.1f} TFLOP/s "
@@ -211,13 +236,15 @@ def main(argv=None) -> int:
                 print(f"{name:14s} T={T:5d} {dist:7s} {v:8s} {row['us']:9.1f} us  x{row['vs_table']:.3f} vs table"
                       f"  compute {row['compute_frac']:.3f} (burst {row['compute_burst']:.3f})  bits {row['bits']} "
                       f"vs {base}", flush=True)
-            if "vllm" in times:
-                t_v = times["vllm"]
-                rows.append(dict(shape=name, T=T, routing=dist, variant="vllm", us=t_v * 1e6,
+            for peer_name in ("vllm", "gmm"):
+                if peer_name not in times:
+                    continue
+                t_v = times[peer_name]
+                rows.append(dict(shape=name, T=T, routing=dist, variant=peer_name, us=t_v * 1e6,
                                  compute_frac=flop / t_v / times["roof_flops"], compute_burst=flop / t_v / roof,
-                                 vs_table=times["table"] / t_v, vllm_over_table=t_v / times["table"]))
-                print(f"{name:14s} T={T:5d} {dist:7s} vllm     {t_v * 1e6:9.1f} us  peer / table x{t_v / times['table']:.3f}"
-                      f"  compute {rows[-1]['compute_frac']:.3f}", flush=True)
+                                 vs_table=times["table"] / t_v, peer_over_table=t_v / times["table"]))
+                print(f"{name:14s} T={T:5d} {dist:7s} {peer_name:8s} {t_v * 1e6:9.1f} us  peer / table "
+                      f"x{t_v / times['table']:.3f}  compute {rows[-1]['compute_frac']:.3f}", flush=True)
     if args.json:
         from benchmarks.common import write_json
 

@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "experts" | "quant" | "router_fused" | "router_2k"
+    kind: str  # "experts" | "gmm" | "quant" | "router_fused" | "router_2k"
     shape: str  # a standard shape (benchmarks/common.py STANDARD_SHAPES / bench_experts_quant.SHAPES)
     T: int
     what: str
@@ -58,7 +58,7 @@ class Case:
     def tiny_shape(self) -> str:
         if self.kind == "quant":
             return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8") else "tiny-mxfp4"
-        if self.kind == "experts":
+        if self.kind in ("experts", "gmm"):
             return "tiny-gptoss" if self.shape == "gpt-oss-120b" else "tiny-silu"
         return self.shape  # router: the real spec and E, H cut down (see _router_inputs)
 
@@ -86,6 +86,14 @@ CASES: tuple[Case, ...] = (
          tiny_T=64),
     Case("experts_prefill_t8192_ds_v41", "experts", "ds-v4.1-like", 8192, "TritonExperts() T=8192, ds-v4.1-like",
          tiny_T=64),
+    Case("experts_prefill_t2048_qwen3", "experts", "qwen3-30b-a3b", 2048,
+         "TritonExperts() T=2048 (issue 16 item 1: 0.68 of the roof, H100)", tiny_T=64),
+    # torch's grouped GEMM (CUTLASS's sm90 grouped kernel) at the same points: what another existing
+    # kernel's tensor pipe reaches there (issue 16 item 1)
+    Case("gmm_prefill_t8192_qwen3", "gmm", "qwen3-30b-a3b", 8192,
+         "torch grouped_mm gate_up + act + down on rows pre-sorted by expert, T=8192", tiny_T=64),
+    Case("gmm_prefill_t8192_deepseek_v3", "gmm", "deepseek-v3", 8192,
+         "torch grouped_mm gate_up + act + down on rows pre-sorted by expert, T=8192", tiny_T=64),
     Case("router_fused_t1_deepseek_v3", "router_fused", "deepseek-v3", 1,
          "router_step_cuda(fused=True) T=1: one launch (GEMM partials + last-program select)"),
     Case("router_fused_t1_qwen3", "router_fused", "qwen3-30b-a3b", 1, "router_step_cuda(fused=True) T=1"),
@@ -184,6 +192,30 @@ def _setup_experts(case: Case, tiny: bool, dev):
     return fn, info
 
 
+def _setup_gmm(case: Case, tiny: bool, dev):
+    import torch
+
+    from benchmarks.bench_experts import torch_gmm_runner
+    from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec
+
+    spec = shape_spec(case.tiny_shape if tiny else case.shape)
+    dtype = torch.float32 if tiny else torch.bfloat16
+    T = (case.tiny_T or case.T) if tiny else case.T
+    E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
+    w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
+    ids, _ = routing(T, E, K, "uniform", dev, seed=0)
+    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, dtype)
+    runner, why = torch_gmm_runner(x, ids, w, cfg)
+    if runner is None:
+        raise SystemExit(f"ncu_kernels: {case.name}: torch grouped_mm unusable: {why}")
+    bias_el = (2 * I + H) if spec["bias"] else 0
+    info = dict(impl=f"torch grouped_mm (torch {torch.__version__})", shape=spec["name"], T=T, E=E, K=K, H=H,
+                I=I, dtype=str(dtype), path="grouped_mm",
+                bytes=int(torch.unique(ids).numel()) * (3 * H * I + bias_el) * w.dtype.itemsize,
+                flops=2 * 3 * H * I * T * K)
+    return runner[0], info
+
+
 def _setup_quant(case: Case, tiny: bool, dev):
     import torch
 
@@ -251,7 +283,7 @@ def _setup_router(case: Case, tiny: bool, dev):
     return fn, info
 
 
-SETUP = {"experts": _setup_experts, "quant": _setup_quant, "router_fused": _setup_router,
+SETUP = {"experts": _setup_experts, "gmm": _setup_gmm, "quant": _setup_quant, "router_fused": _setup_router,
          "router_2k": _setup_router}
 
 

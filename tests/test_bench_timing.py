@@ -25,12 +25,12 @@ HAS_CUDA = torch.cuda.is_available()
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
 def test_diag_half_tiles_dry_run():
     env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "diag_half_tiles.py"), "--dry-run", "--vllm"],
+    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "diag_half_tiles.py"), "--dry-run", "--vllm", "--gmm"],
                        capture_output=True, text=True, env=env, timeout=600)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if " us " in ln]
     variants = {ln.split()[4] for ln in lines}
-    assert {"table", "half", "bi", "bi_half", "bi_pers", "two_dot", "flat_down", "tiled_down", "vllm"} <= variants, r.stdout
+    assert {"table", "half", "bi", "bi_half", "bi_pers", "two_dot", "flat_down", "tiled_down", "vllm", "gmm"} <= variants, r.stdout
     # half tiles, the persistent form, the two-dot gate_up and the flat down give their base's bits (the
     # bi / table pair may differ)
     for ln in lines:
