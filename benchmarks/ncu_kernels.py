@@ -162,29 +162,38 @@ def _env() -> dict:
     return info
 
 
-def _setup_experts(case: Case, tiny: bool, dev):
+def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
+    """The bf16 experts' inputs of a case (f32 under --tiny: the interpreter has no bf16 dot): its shape's
+    spec, weights, config, uniform routing (seed 0), x, and the facts every experts case reports."""
     import torch
 
     from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec
-    from moeflow.experts.triton import TritonExperts
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
-    dtype = torch.float32 if tiny else torch.bfloat16  # the interpreter has no bf16 dot
+    dtype = torch.float32 if tiny else torch.bfloat16
     T = (case.tiny_T or case.T) if tiny else case.T
     E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
     w = make_weights(spec, dev, dtype=dtype)
-    cfg = make_config(spec)
     ids, wts = routing(T, E, K, "uniform", dev, seed=0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, dtype)
+    n_distinct = int(torch.unique(ids).numel())
+    bias_el = (2 * I + H) if spec["bias"] else 0
+    facts = dict(shape=spec["name"], T=T, E=E, K=K, H=H, I=I, dtype=str(dtype), distinct_experts=n_distinct,
+                 bytes=n_distinct * (3 * H * I + bias_el) * w.dtype.itemsize + 2 * T * H * w.dtype.itemsize,
+                 flops=2 * 3 * H * I * T * K)
+    return dict(spec=spec, w=w, cfg=make_config(spec), ids=ids, wts=wts, x=x, facts=facts)
+
+
+def _setup_experts(case: Case, tiny: bool, dev):
+    from moeflow.experts.triton import TritonExperts
+
+    a = _expert_inputs(case, tiny, dev)
+    x, ids, wts, w, cfg = a["x"], a["ids"], a["wts"], a["w"], a["cfg"]
+    T, K, E = a["facts"]["T"], a["facts"]["K"], a["facts"]["E"]
     impl = TritonExperts(allow_cpu=tiny)
     decode = impl.uses_decode_path(T, K, E, w)
     tiles = (impl.decode_config_for(w, K, T) if decode else impl.tile_config_for(w, K, T)).to_dict()
-    n_distinct = int(torch.unique(ids).numel())
-    bias_el = (2 * I + H) if spec["bias"] else 0
-    info = dict(impl=repr(impl), shape=spec["name"], T=T, E=E, K=K, H=H, I=I, dtype=str(dtype),
-                path="decode" if decode else "aligned", tiles=tiles, distinct_experts=n_distinct,
-                bytes=n_distinct * (3 * H * I + bias_el) * w.dtype.itemsize + 2 * T * H * w.dtype.itemsize,
-                flops=2 * 3 * H * I * T * K)
+    info = dict(impl=repr(impl), **a["facts"], path="decode" if decode else "aligned", tiles=tiles)
 
     def fn():
         return impl.forward_tokens(x, ids, wts, w, cfg)
@@ -196,23 +205,13 @@ def _setup_gmm(case: Case, tiny: bool, dev):
     import torch
 
     from benchmarks.bench_experts import torch_gmm_runner
-    from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec
 
-    spec = shape_spec(case.tiny_shape if tiny else case.shape)
-    dtype = torch.float32 if tiny else torch.bfloat16
-    T = (case.tiny_T or case.T) if tiny else case.T
-    E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
-    w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
-    ids, _ = routing(T, E, K, "uniform", dev, seed=0)
-    x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, dtype)
-    runner, why = torch_gmm_runner(x, ids, w, cfg)
+    a = _expert_inputs(case, tiny, dev)
+    runner, why = torch_gmm_runner(a["x"], a["ids"], a["w"], a["cfg"])
     if runner is None:
         raise SystemExit(f"ncu_kernels: {case.name}: torch grouped_mm unusable: {why}")
-    bias_el = (2 * I + H) if spec["bias"] else 0
-    info = dict(impl=f"torch grouped_mm (torch {torch.__version__})", shape=spec["name"], T=T, E=E, K=K, H=H,
-                I=I, dtype=str(dtype), path="grouped_mm",
-                bytes=int(torch.unique(ids).numel()) * (3 * H * I + bias_el) * w.dtype.itemsize,
-                flops=2 * 3 * H * I * T * K)
+    # the rows are already sorted by expert: x's bytes are read once, as by our step
+    info = dict(impl=f"torch grouped_mm (torch {torch.__version__})", **a["facts"], path="grouped_mm")
     return runner[0], info
 
 
