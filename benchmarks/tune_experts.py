@@ -327,6 +327,37 @@ def time_replay(fn, reps: int) -> float:
     return time_cuda_graph(fn, reps=reps, flush=True)
 
 
+def bi_families(tuned: list[int], combos: list, best: dict, total, to_cfg) -> list[tuple]:
+    """Batch-invariant families, best worst ratio first: [(table {T: cfg}, worst ratio, ratios, label)].
+
+    Each takes per T the fastest one-split combo (stage-sum total(T, *combo)) among those sharing one BK
+    per GEMM (a family for each (gate_up BK, down BK) pair), and one ("free BK") lets BK follow T too:
+    every k16 step joins one f32 accumulator in order whatever BK, so its bits should not depend on BK.
+    Whether a family's bits hold across T is verify_family's call, on the device.
+    """
+    families = []
+    bks = sorted({(to_cfg(*c).gate_up.block_k, to_cfg(*c).down.block_k) for c in combos})
+    for bk in [*bks, None]:
+        table, ratios = {}, []
+        for T in tuned:
+            cands = []
+            for c in combos:
+                tc = to_cfg(*c)
+                if c[3] == 1 and (bk is None or (tc.gate_up.block_k, tc.down.block_k) == bk):
+                    t = total(T, *c)
+                    if t is not None:
+                        cands.append((t, c))
+            if not cands or T not in best:
+                table = None
+                break
+            t, c = min(cands)
+            table[T] = to_cfg(*c)
+            ratios.append(t / best[T][1])
+        if table:
+            families.append((table, max(ratios), ratios, "free BK" if bk is None else f"BK {bk[0]} / {bk[1]}"))
+    return sorted(families, key=lambda f: f[1])
+
+
 def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: float, log,
                dtype=torch.bfloat16) -> dict:
     """{'best': {T: (cfg, t)}, 'bi': (cfg, worst_ratio, ratios), 'tuned': [T], 'ranked': {T: [(t, cfg)]}} for one shape.
@@ -415,32 +446,15 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
             ratios.append(t / best[T][1])
         if ratios and (bi is None or max(ratios) < bi[1]):
             bi = (to_cfg(*c), max(ratios), ratios)
-    # batch-invariant family: per-T tiles sharing one BK per GEMM and no split-K
-    family = None
-    bks = sorted({(to_cfg(*c).gate_up.block_k, to_cfg(*c).down.block_k) for c in combos})
-    for bkg, bkd in bks:
-        table, ratios = {}, []
-        for T in tuned:
-            cands = []
-            for c in combos:
-                tc = to_cfg(*c)
-                if c[3] == 1 and tc.gate_up.block_k == bkg and tc.down.block_k == bkd:
-                    t = total(T, *c)
-                    if t is not None:
-                        cands.append((t, c))
-            if not cands or T not in best:
-                table = None
-                break
-            t, c = min(cands)
-            table[T] = to_cfg(*c)
-            ratios.append(t / best[T][1])
-        if table and (family is None or max(ratios) < family[1]):
-            family = (table, max(ratios), ratios)
-    return {"best": best, "bi": bi, "family": family, "tuned": tuned, "parts": parts, "ranked": ranked}
+    families = bi_families(tuned, combos, best, total, to_cfg)
+    return {"best": best, "bi": bi, "family": families[0] if families else None, "families": families,
+            "tuned": tuned, "parts": parts, "ranked": ranked}
 
 
 # How many of the stage-sum ranking's best configs per T refine_best times as whole steps.
 RANKED = 6
+# Batch-invariant families checked bit for bit on the device, best worst ratio first, until one holds.
+FAMILIES_VERIFIED = 3
 
 
 # Block heights whose candidates refine_best also times with half tiles (MoETileConfig.half_tail):
@@ -710,10 +724,16 @@ def main(argv=None) -> int:
             continue
         fam, fam_note = res["family"], "not tried"
         if fam is not None and not args.dry_run:
-            ok, fam_note = verify_family(spec, fam[0], dtype)
-            log(f"  batch-invariant family (worst ratio {fam[1]:.3f}): {'kept' if ok else 'DROPPED'}: {fam_note}")
-            if not ok:
-                fam = None
+            # the best families first, each checked bit for bit on the device until one holds
+            fam = None
+            for cand in res["families"][:FAMILIES_VERIFIED]:
+                ok, note = verify_family(spec, cand[0], dtype)
+                log(f"  batch-invariant family, {cand[3]} (worst ratio {cand[1]:.3f}): "
+                    f"{'kept' if ok else 'DROPPED'}: {note}")
+                fam_note = note
+                if ok:
+                    fam = cand
+                    break
         if fam is not None and args.half and not args.dry_run:
             # half tiles give the same bits, so each T's family tiles may take them where faster
             halved = refine_best(spec, {T: [(0.0, c)] for T, c in fam[0].items()}, args.reps, log, dtype=dtype,
@@ -743,8 +763,11 @@ def main(argv=None) -> int:
         if args.merge_from:
             configs, bi, bi_by_t, decode = merge_into(load_table(shape_key(spec, dtype), device, Path(args.merge_from), siblings=False),
                                                       configs, bi, bi_by_t, decode, replace_bi=args.replace_bi)
+        # a family whose BK follows T reaches here only checked bit for bit on the device (this run's
+        # verify_family, or the run that wrote the merged table)
+        mixed = bool(bi_by_t) and len({(c.gate_up.block_k, c.down.block_k) for c in bi_by_t.values()}) > 1
         path = write_table(shape_key(spec, dtype), device, configs, bi, directory=Path(args.out_dir),
-                           batch_invariant_by_T=bi_by_t, decode=decode or None)
+                           batch_invariant_by_T=bi_by_t, decode=decode or None, batch_invariant_mixed_bk=mixed)
         report["shapes"][n] = {
             "file": path.name,
             "best": {str(T): {"cfg": c.to_dict(), "us": t * 1e6,
@@ -754,8 +777,9 @@ def main(argv=None) -> int:
             "batch_invariant": None if res["bi"] is None else
             {"cfg": res["bi"][0].to_dict(), "worst_ratio": res["bi"][1], "ratios": res["bi"][2]},
             "batch_invariant_family": None if res["family"] is None else
-            {"kept": fam is not None, "note": fam_note, "worst_ratio": res["family"][1],
-             "ratios": res["family"][2], "by_T": {str(T): c.to_dict() for T, c in res["family"][0].items()}},
+            {"kept": fam is not None, "note": fam_note, "label": (fam or res["family"])[3],
+             "worst_ratio": (fam or res["family"])[1], "ratios": (fam or res["family"])[2],
+             "by_T": {str(T): c.to_dict() for T, c in (fam or res["family"])[0].items()}},
             "decode": res.get("decode"),
             "refined": res.get("refined"),
         }

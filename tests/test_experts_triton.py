@@ -364,6 +364,10 @@ def test_lookup_batch_invariant_by_T(tmp_path):
     write_table(key2, "Fake GPU", {1: small}, None, directory=tmp_path, batch_invariant_by_T={1: small, 64: mixed})
     with pytest.raises(ValueError, match="mixes K-steps"):
         lookup(key2, 1, "Fake GPU", batch_invariant=True, directory=tmp_path)
+    # ... unless the tuner marked the mix as checked on the device
+    write_table(key2, "Fake GPU", {1: small}, None, directory=tmp_path, batch_invariant_by_T={1: small, 64: mixed},
+                batch_invariant_mixed_bk=True)
+    assert lookup(key2, 64, "Fake GPU", batch_invariant=True, directory=tmp_path) == mixed
     split = MoETileConfig(block_m=16, gate_up=t64, down=GemmTile(block_n=64, block_k=64, split_k=2))
     key3 = ShapeKey(num_experts=10, hidden_size=64, intermediate_size=32, top_k=2, layout="linear",
                     interleaved=False, dtype="bfloat16")

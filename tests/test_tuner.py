@@ -122,3 +122,34 @@ def test_bm_range_offers_128_rows_from_half_full_blocks():
     assert te.bm_range(2048, 8, 256, quick=False) == [16, 32, 64, 128]  # deepseek-v3: 64 rows per expert
     assert te.bm_range(1024, 8, 256, quick=False) == [16, 32, 64]  # 32 rows per expert
     assert te.bm_range(8192, 8, 128, quick=False) == [64, 128]
+
+
+def test_bi_families_free_bk_and_order():
+    """bi_families: one family per (gate_up BK, down BK) and a free-BK one, one split only, best worst
+    ratio first; the free-BK family is never worse than a fixed one (it picks from a superset)."""
+    from benchmarks.tune_experts import bi_families
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    bks = {0: 64, 1: 128}
+
+    def to_cfg(bm, gi, di, s):
+        return MoETileConfig(block_m=bm, gate_up=GemmTile(block_n=64, block_k=bks[gi]),
+                             down=GemmTile(block_n=64, block_k=bks[di], split_k=s))
+
+    combos = [(64, gi, di, s) for gi in (0, 1) for di in (0, 1) for s in (1, 2)]
+    # T=1: BK 64 everywhere is fastest; T=8192: BK 128 everywhere; split 2 fastest of all at T=1
+    times = {(1, 0, 0, 1): 10.0, (1, 1, 1, 1): 14.0, (1, 0, 1, 1): 12.0, (1, 1, 0, 1): 12.0, (1, 0, 0, 2): 8.0,
+             (8192, 0, 0, 1): 130.0, (8192, 1, 1, 1): 100.0, (8192, 0, 1, 1): 115.0, (8192, 1, 0, 1): 115.0}
+
+    def total(T, bm, gi, di, s):
+        return times.get((T, gi, di, s))
+
+    best = {1: (to_cfg(64, 0, 0, 2), 8.0), 8192: (to_cfg(64, 1, 1, 1), 100.0)}
+    fams = bi_families([1, 8192], combos, best, total, to_cfg)
+    labels = [f[3] for f in fams]
+    assert sorted(labels) == ["BK 128 / 128", "BK 128 / 64", "BK 64 / 128", "BK 64 / 64", "free BK"]
+    assert labels[0] == "free BK" and fams[0][1] == 10.0 / 8.0  # T=1 BK 64 (10 / 8), T=8192 BK 128 (1.0)
+    assert [f[1] for f in fams] == sorted(f[1] for f in fams)
+    free = fams[0][0]
+    assert free[1].gate_up.block_k == 64 and free[8192].gate_up.block_k == 128
+    assert all(c.down.split_k == 1 for f in fams for c in f[0].values())  # never the split-2 best

@@ -18,7 +18,10 @@ and one K-step (BK) per GEMM. "batch_invariant" is one whole configuration for e
 safe). "batch_invariant_by_T" lets BM, BN and warps follow T while BK and split_k=1 stay fixed:
 a row's dot products then run the same K-steps in the same order, which the tuner checks bit
 for bit on the device before writing it (an MMA instruction whose internal sum order changed
-with the tile shape would break it; the tuner then keeps the single configuration).
+with the tile shape would break it; the tuner then keeps the single configuration). BK may
+follow T too where the tuner checked that family bit for bit ("batch_invariant_by_T_mixed_bk":
+true; each k16 MMA step joins one f32 accumulator in order, so BK should not change the bits, but
+only the device says so); a table mixing K-steps without that mark is refused when read.
 
 The decode path (moeflow/kernels/moe_decode.py, small T*K, default mode only) has its own
 tiles, and the tuner writes a "decode" entry only for a T where that path beat the aligned one:
@@ -194,6 +197,11 @@ def nearest_key(keys, m: int) -> int:
     return min(ks, key=lambda k: (abs(math.log(k) - lm), k))
 
 
+# A table whose batch_invariant_by_T family lets BK follow T says so under this key (benchmarks/
+# tune_experts.py writes it only for a family it checked bit for bit on the device).
+MIXED_BK_KEY = "batch_invariant_by_T_mixed_bk"
+
+
 @lru_cache(maxsize=256)
 def _load(path: str) -> dict | None:
     p = Path(path)
@@ -206,8 +214,9 @@ def _load(path: str) -> dict | None:
     for t, c in by_t.items():
         if c.down.split_k != 1:
             raise ValueError(f"{path}: batch_invariant_by_T[{t}].down.split_k={c.down.split_k}, expected 1")
-    if len({(c.gate_up.block_k, c.down.block_k) for c in by_t.values()}) > 1:
-        raise ValueError(f"{path}: batch_invariant_by_T mixes K-steps (block_k); expected one per GEMM")
+    if len({(c.gate_up.block_k, c.down.block_k) for c in by_t.values()}) > 1 and not data.get(MIXED_BK_KEY):
+        raise ValueError(f"{path}: batch_invariant_by_T mixes K-steps (block_k); expected one per GEMM, or "
+                         f"{MIXED_BK_KEY!r}: true from a tuner that checked the mix bit for bit on the device")
     decode = {int(k): DecodeConfig.from_dict(v) for k, v in data.get("decode", {}).items()}
     return {"configs": configs, "batch_invariant": MoETileConfig.from_dict(bi) if bi else None,
             "batch_invariant_by_T": by_t, "decode": decode}
@@ -241,7 +250,9 @@ def load_table(key: ShapeKey, device: str, directory: Path | None = None, *, sib
 def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
                 batch_invariant: MoETileConfig | None, directory: Path | None = None,
                 batch_invariant_by_T: dict[int, MoETileConfig] | None = None,
-                decode: dict[int, DecodeConfig] | None = None) -> Path:
+                decode: dict[int, DecodeConfig] | None = None, batch_invariant_mixed_bk: bool = False) -> Path:
+    """Write a tuned table (module docstring's format). batch_invariant_mixed_bk: the by-T family's BK
+    follows T, checked bit for bit on the device by the caller (MIXED_BK_KEY)."""
     path = (directory or TUNING_DIR) / key.file_name(device)
     data = {
         "device": device_slug(device),
@@ -252,6 +263,8 @@ def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
         data["batch_invariant"] = batch_invariant.to_dict()
     if batch_invariant_by_T:
         data["batch_invariant_by_T"] = {str(m): c.to_dict() for m, c in sorted(batch_invariant_by_T.items())}
+        if batch_invariant_mixed_bk:
+            data[MIXED_BK_KEY] = True
     if decode:
         data["decode"] = {str(m): c.to_dict() for m, c in sorted(decode.items())}
     path.write_text(json.dumps(data, indent=1) + "\n")
