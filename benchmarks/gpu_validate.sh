@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that validates a branch and measures what it changes (a session's first call).
 #
-#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e tune
+#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e tune tunebi
 #                                                          (default: suite align host e2e)
 #
 # Each step has its own time limit and writes OUTDIR/<step>.log, so a cut step still leaves the
@@ -42,4 +42,11 @@ step e2e "${E2E_LIMIT_S:-240}" python3 benchmarks/bench_e2e.py --shapes "${E2E_S
 step tune "${TUNE_LIMIT_S:-420}" python3 benchmarks/tune_experts.py --shapes "${TUNE_SHAPES:-all}" --tma --decode \
   --reps 6 --budget-s "$(( ${TUNE_LIMIT_S:-420} - 60 ))" --out-dir "$OUT/tuning" --log-json "$OUT/tune.json"
 [ -f "$OUT/tune.log" ] && grep -E "decode T=|T= |refused|tuning" "$OUT/tune.log" | tail -40
+# tunebi: every T of TUNEBI_SHAPES (default: the shapes whose batch-invariant mode cost > 10% on the H100)
+# re-tuned with their batch-invariant families replaced (the free-BK family checked bit for bit first),
+# merged into this device's own tables, written under OUT/tuning.
+step tunebi "${TUNEBI_LIMIT_S:-420}" python3 benchmarks/tune_experts.py --shapes "${TUNEBI_SHAPES:-mixtral-8x7b,deepseek-v3}" \
+  --tma --reps 6 --merge-from moeflow/tuning --replace-bi --budget-s "$(( ${TUNEBI_LIMIT_S:-420} - 60 ))" \
+  --out-dir "$OUT/tuning" --log-json "$OUT/tunebi.json"
+[ -f "$OUT/tunebi.log" ] && grep -E "batch-invariant|T= |tuning" "$OUT/tunebi.log" | tail -40
 exit 0
