@@ -1,4 +1,5 @@
-"""benchmarks/tune_experts.refine_best: the stage-sum ranking's best few are re-timed whole (pure logic, CPU)."""
+"""benchmarks/tune_experts: refine_best (the stage-sum ranking's best few are re-timed whole) and bi_families
+(the batch-invariant families offered to verify_family): pure logic, CPU."""
 
 import importlib.util
 import sys
@@ -9,10 +10,11 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
-                                reason="refine_best imports moeflow.experts.triton")
+needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                  reason="refine_best imports moeflow.experts.triton")
 
 
+@needs_triton
 def test_refine_keeps_the_fastest_whole_step(monkeypatch):
     import benchmarks.tune_experts as te
     from moeflow.tuning import GemmTile, MoETileConfig
@@ -41,6 +43,7 @@ def test_refine_keeps_the_fastest_whole_step(monkeypatch):
     assert any("cannot capture" in m for m in logs) and any("against 9.0 us" in m for m in logs)
 
 
+@needs_triton
 def test_refine_times_half_tiles(monkeypatch):
     """with_half adds each BM 64 / 128 candidate with half tiles after the ranked ones; refine keeps a
     half-tile config when its whole step is fastest, and half=False leaves them out."""
@@ -64,6 +67,7 @@ def test_refine_times_half_tiles(monkeypatch):
     assert out[7][0] == a
 
 
+@needs_triton
 def test_refine_times_the_other_down_form(monkeypatch):
     """with_flat adds each one-split candidate with the down GEMM form FLAT_DOWN's rule would not give
     it (flat_down=True, or False where the rule runs it flat) on TMA shapes, none on interleaved / biased
@@ -98,6 +102,7 @@ def test_refine_times_the_other_down_form(monkeypatch):
     assert te.refine_best(lin, {7: [(1e-6, small)]}, **kw)[7][0] == small
 
 
+@needs_triton
 def test_merge_replace_bi():
     """merge_into keeps the old batch-invariant entries unless replace_bi, then takes the run's."""
     import benchmarks.tune_experts as te
@@ -114,6 +119,7 @@ def test_merge_replace_bi():
     assert bi == old_bi and by_t == {1: old_bi}  # nothing new: the old entries stay
 
 
+@needs_triton
 def test_bm_range_offers_128_rows_from_half_full_blocks():
     """bm_range: BM 128 is tried once an expert holds more than 48 rows on average (half tiles make
     it pay from there); fewer rows keep the small heights only."""
