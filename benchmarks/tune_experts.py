@@ -45,7 +45,7 @@ from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS, time_cuda_graph 
 from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
 from moeflow.routing.spec import RouterSpec  # noqa: E402
 from moeflow.testing import patch_interpreter_index  # noqa: E402,F401 - re-exported for the other benchmarks
-from moeflow.tuning import GemmTile, MoETileConfig, ShapeKey, load_table, write_table  # noqa: E402
+from moeflow.tuning import GemmTile, MoETileConfig, ShapeKey, load_table, mixes_k_steps, write_table  # noqa: E402
 
 # --------------------------------------------------------------------------- shapes
 # The family details each standard shape is benchmarked with (shared/spec/benchmarks.md gives
@@ -765,9 +765,9 @@ def main(argv=None) -> int:
                                                       configs, bi, bi_by_t, decode, replace_bi=args.replace_bi)
         # a family whose BK follows T reaches here only checked bit for bit on the device (this run's
         # verify_family, or the run that wrote the merged table)
-        mixed = bool(bi_by_t) and len({(c.gate_up.block_k, c.down.block_k) for c in bi_by_t.values()}) > 1
         path = write_table(shape_key(spec, dtype), device, configs, bi, directory=Path(args.out_dir),
-                           batch_invariant_by_T=bi_by_t, decode=decode or None, batch_invariant_mixed_bk=mixed)
+                           batch_invariant_by_T=bi_by_t, decode=decode or None,
+                           batch_invariant_mixed_bk=bool(bi_by_t) and mixes_k_steps(bi_by_t))
         report["shapes"][n] = {
             "file": path.name,
             "best": {str(T): {"cfg": c.to_dict(), "us": t * 1e6,

@@ -202,6 +202,11 @@ def nearest_key(keys, m: int) -> int:
 MIXED_BK_KEY = "batch_invariant_by_T_mixed_bk"
 
 
+def mixes_k_steps(by_t: dict[int, MoETileConfig]) -> bool:
+    """Whether a batch-invariant family's entries differ in a GEMM's K-step (block_k)."""
+    return len({(c.gate_up.block_k, c.down.block_k) for c in by_t.values()}) > 1
+
+
 @lru_cache(maxsize=256)
 def _load(path: str) -> dict | None:
     p = Path(path)
@@ -214,7 +219,7 @@ def _load(path: str) -> dict | None:
     for t, c in by_t.items():
         if c.down.split_k != 1:
             raise ValueError(f"{path}: batch_invariant_by_T[{t}].down.split_k={c.down.split_k}, expected 1")
-    if len({(c.gate_up.block_k, c.down.block_k) for c in by_t.values()}) > 1 and not data.get(MIXED_BK_KEY):
+    if mixes_k_steps(by_t) and not data.get(MIXED_BK_KEY):
         raise ValueError(f"{path}: batch_invariant_by_T mixes K-steps (block_k); expected one per GEMM, or "
                          f"{MIXED_BK_KEY!r}: true from a tuner that checked the mix bit for bit on the device")
     decode = {int(k): DecodeConfig.from_dict(v) for k, v in data.get("decode", {}).items()}
