@@ -18,6 +18,9 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
               sibling's, moeflow.tuning.table_device) runs (its K steps may differ: bits need not match)
     tiled_down table with the down GEMM tiled (FLAT_DOWN = False; the default, None, runs the bf16
               down flat at short K on full 128-row tiles: table is flat_down there)
+    ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
+              moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
+    ws_gate_up table with the gate_up by its Gluon kernel (WS_GATE_UP); ws: both
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
@@ -78,25 +81,33 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["two_dot"] = table
     out["flat_down"] = table
     out["tiled_down"] = table
+    for v in ("ws_down", "ws_gate_up", "ws"):
+        out[v] = table
     return out
 
 
-# variants that are `table` run with a module flag of moeflow.experts.triton set (read at launch)
-FLAGS = {"two_dot": ("FUSED_GATE_UP", False), "flat_down": ("FLAT_DOWN", True), "tiled_down": ("FLAT_DOWN", False)}
+# variants that are `table` run with module flags of moeflow.experts.triton set (read at launch)
+FLAGS = {"two_dot": {"FUSED_GATE_UP": False}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
+         "ws_down": {"WS_DOWN": True}, "ws_gate_up": {"WS_GATE_UP": True},
+         "ws": {"WS_DOWN": True, "WS_GATE_UP": True}}
 
 
 class Flagged:
-    """An impl run with moeflow.experts.triton.<flag> = value (read at launch, so at graph capture)."""
+    """An impl run with moeflow.experts.triton.<flag> = value for each of flags (read at launch, so at
+    graph capture)."""
 
-    def __init__(self, impl, flag: str, value):
-        self.impl, self.flag, self.value = impl, flag, value
+    def __init__(self, impl, flags: dict):
+        self.impl, self.flags = impl, flags
 
     def forward_tokens(self, *args):
+        import contextlib
         from unittest import mock
 
         import moeflow.experts.triton as TE
 
-        with mock.patch.object(TE, self.flag, self.value):
+        with contextlib.ExitStack() as stack:
+            for flag, value in self.flags.items():
+                stack.enter_context(mock.patch.object(TE, flag, value))
             return self.impl.forward_tokens(*args)
 
 
@@ -209,9 +220,9 @@ def main(argv=None) -> int:
             # the interpreter takes the TMA kernels only when asked (tma=True), the GPU by default
             impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c, tma=True if cpu else None)
                      for v, c in named.items()}
-            for v, (flag, value) in FLAGS.items():
+            for v, flags in FLAGS.items():
                 if v in impls:
-                    impls[v] = Flagged(impls[v], flag, value)
+                    impls[v] = Flagged(impls[v], flags)
             outs = {v: impl.forward_tokens(x, ids, wts, w, cfg).clone() for v, impl in impls.items()}
             fns = {v: (lambda impl=impl, a=(x, ids, wts, w, cfg): impl.forward_tokens(*a)) for v, impl in impls.items()}
             if peer is not None:

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One GPU call that validates a branch and measures what it changes (a session's first call).
 #
-#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e tune tunebi
+#   bash benchmarks/gpu_validate.sh OUTDIR [STEP ...]      steps: suite align host e2e tune tunebi wstest wstime
 #                                                          (default: suite align host e2e)
 #
 # Each step has its own time limit and writes OUTDIR/<step>.log, so a cut step still leaves the
@@ -49,4 +49,14 @@ step tunebi "${TUNEBI_LIMIT_S:-420}" python3 benchmarks/tune_experts.py --shapes
   --tma --reps 6 --merge-from moeflow/tuning --replace-bi --budget-s "$(( ${TUNEBI_LIMIT_S:-420} - 60 ))" \
   --out-dir "$OUT/tuning" --log-json "$OUT/tunebi.json"
 [ -f "$OUT/tunebi.log" ] && grep -E "batch-invariant|T= |tuning" "$OUT/tunebi.log" | tail -40
+# wstest / wstime: the warp-specialised Gluon GEMMs (moeflow/kernels/moe_gemm_ws.py, off by default): their
+# bitwise GPU test against the Triton kernels, then their timing in one rotation with the table's Triton
+# kernels at the prefill points (WS_POINTS, WS_ROUTING; diag_half_tiles variants ws_down, ws_gate_up, ws).
+step wstest "${WSTEST_LIMIT_S:-240}" python3 -m pytest -o addopts= -q -p no:cacheprovider -m gpu -rfE \
+  tests/test_experts_triton.py -k ws_kernels
+[ -f "$OUT/wstest.log" ] && tail -12 "$OUT/wstest.log"
+step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants ws_down,ws_gate_up,ws \
+  --points "${WS_POINTS:-qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:8192,mixtral-8x7b:8192}" \
+  --routing "${WS_ROUTING:-uniform}" --rounds 3 --json "$OUT/wstime.json"
+[ -f "$OUT/wstime.log" ] && grep -E "sustained| table | ws" "$OUT/wstime.log"
 exit 0

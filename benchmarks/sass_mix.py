@@ -39,7 +39,9 @@ _OPCODE = re.compile(r"\s*(?:/\*[0-9a-f]+\*/)?\s*(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_
 
 def compile_kernel(fn, types: dict[str, str], consts: dict[str, object], *, arch: int = 90, num_warps: int = 4,
                    num_stages: int = 3, div16: tuple[str, ...] = ()):
-    """triton.compile of a @triton.jit function (or a moeflow FastKernel) for cuda:`arch`, no device needed."""
+    """triton.compile of a @triton.jit function (or a moeflow FastKernel, or a @gluon.jit function) for
+    cuda:`arch`, no device needed. A Gluon kernel's tensor descriptors name their shared layout in
+    their type: gluon_desc_type."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -47,6 +49,8 @@ def compile_kernel(fn, types: dict[str, str], consts: dict[str, object], *, arch
 
     if not isinstance(fn, JITFunction):
         fn = fn.fn  # moeflow.kernels.launch.FastKernel
+    if getattr(fn, "is_gluon", lambda: False)():
+        from triton.experimental.gluon._runtime import GluonASTSource as ASTSource
     sig_params = inspect.signature(fn.fn).parameters
     params = list(sig_params)
     unknown = sorted((set(types) | set(consts) | set(div16)) - set(params))
@@ -60,6 +64,16 @@ def compile_kernel(fn, types: dict[str, str], consts: dict[str, object], *, arch
     src = ASTSource(fn, signature=sig, constexprs={(params.index(k),): v for k, v in consts.items()}, attrs=attrs)
     return triton.compile(src, target=GPUTarget("cuda", arch, 32), options={"num_warps": num_warps,
                                                                              "num_stages": num_stages})
+
+
+def gluon_desc_type(dtype: str, block: list[int]) -> str:
+    """The signature type of a Gluon TensorDescriptor argument (dtype e.g. "bf16", its block shape) with
+    the shared layout the host gives it: NVMMASharedLayout.get_default_for(block, dtype)."""
+    from triton.experimental.gluon import language as gl
+
+    el = {"bf16": gl.bfloat16, "fp16": gl.float16, "fp8e4nv": gl.float8e4nv, "fp32": gl.float32}[dtype]
+    layout = gl.NVMMASharedLayout.get_default_for(list(block), el)
+    return f"tensordesc<{dtype}[{','.join(str(b) for b in block)}],{layout!r}>"
 
 
 def sass_text(kernel) -> str:

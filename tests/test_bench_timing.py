@@ -30,11 +30,13 @@ def test_diag_half_tiles_dry_run():
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     lines = [ln for ln in r.stdout.splitlines() if " us " in ln]
     variants = {ln.split()[4] for ln in lines}
-    assert {"table", "half", "bi", "bi_half", "bi_pers", "two_dot", "flat_down", "tiled_down", "vllm", "gmm"} <= variants, r.stdout
+    assert {"table", "half", "bi", "bi_half", "bi_pers", "two_dot", "flat_down", "tiled_down", "vllm", "gmm", "ws", "ws_down",
+            "ws_gate_up"} <= variants, r.stdout
     # half tiles, the persistent form, the two-dot gate_up and the flat down give their base's bits (the
     # bi / table pair may differ)
     for ln in lines:
-        if ln.split()[4] in ("half", "bi_half", "bi_pers", "two_dot", "flat_down", "tiled_down"):
+        if ln.split()[4] in ("half", "bi_half", "bi_pers", "two_dot", "flat_down", "tiled_down", "ws", "ws_down",
+                             "ws_gate_up"):
             assert "bits = " in ln, ln
 
 

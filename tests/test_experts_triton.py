@@ -1140,6 +1140,74 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
     assert not torch.equal(first, want2)
 
 
+def _gluon_hopper() -> bool:
+    if not (HAS_CUDA and HAS_TRITON) or torch.cuda.get_device_capability()[0] < 9:
+        return False
+    from moeflow.experts.triton_ws import ws_device_ok
+
+    return ws_device_ok(torch.empty(1, device="cuda"))
+
+
+@gpu
+@needs_gpu
+@pytest.mark.skipif(not _gluon_hopper(), reason="the Gluon kernels need Hopper or newer and triton's Gluon")
+@pytest.mark.parametrize("shape", TMA_SHAPES, ids=[s[0] for s in TMA_SHAPES])
+def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
+    """The warp-specialised Gluon gate_up and down (experts.triton.WS_GATE_UP / WS_DOWN; moe_gemm_ws.py)
+    give the Triton TMA kernels' bits, alone and together: BM 128 and 64 tiles (the BM 64 plan's BK 128
+    gate_up runs BK 64 in Gluon: BK changes no bits), T = 1 / 300 (skewed: empty and half-empty
+    blocks) / 2500, silu and swiglu_clamp; they are taken (launch counts); then a CUDA graph captured
+    with both on replays with new routing."""
+    import contextlib
+
+    import moeflow.experts.triton as TE
+    import moeflow.experts.triton_ws as TW
+    from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
+
+    name, E, H, I, K = shape
+    t128 = MoETileConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3),
+                         down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3))
+    t64 = MoETileConfig(block_m=64, gate_up=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=3),
+                        down=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=3))
+    both = {"WS_DOWN": True, "WS_GATE_UP": True}
+
+    @contextlib.contextmanager
+    def flags_on(flags):
+        with contextlib.ExitStack() as stack:
+            for f, v in flags.items():
+                stack.enter_context(mock.patch.object(TE, f, v))
+            yield
+
+    for act in ("silu", "swiglu_clamp"):
+        cfg, w = make_case(E, H, I, K, act, dtype=torch.bfloat16, device="cuda")
+        for tiles in (t128, t64):
+            impl = TE.TritonExperts(tile_config=tiles, tma=True)
+            for T in (1, 300, 2500):
+                x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
+                want = impl.forward_tokens(x, ids, wts, w, cfg).clone()
+                for flags in ({"WS_DOWN": True}, {"WS_GATE_UP": True}, both):
+                    with flags_on(flags), \
+                            mock.patch.object(TW, "launch_down_ws", wraps=TW.launch_down_ws) as dn, \
+                            mock.patch.object(TW, "launch_gate_up_ws", wraps=TW.launch_gate_up_ws) as gu:
+                        got = impl.forward_tokens(x, ids, wts, w, cfg)
+                    assert (dn.call_count, gu.call_count) == (int("WS_DOWN" in flags), int("WS_GATE_UP" in flags))
+                    assert_bitwise_equal(got, want, what=f"{name} {act} BM {tiles.block_m} T={T} {sorted(flags)}")
+    impl = TE.TritonExperts(tile_config=t128, tma=True)
+    x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
+    x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10, skew=True)
+    want1 = TE.TritonExperts(tile_config=t128, tma=True).forward_tokens(x, ids, wts, w, cfg).clone()
+    want2 = TE.TritonExperts(tile_config=t128, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
+    with flags_on(both):
+        g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
+    g.replay()
+    assert_bitwise_equal(out, want1, what=f"{name}: Gluon kernels replayed from a CUDA graph")
+    x.copy_(x2)
+    ids.copy_(ids2)
+    wts.copy_(wts2)
+    g.replay()
+    assert_bitwise_equal(out, want2, what=f"{name}: Gluon kernels replayed from a CUDA graph with new routing")
+
+
 @gpu
 @needs_gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES[:4], ids=[s[0] for s in GPU_SHAPES[:4]])

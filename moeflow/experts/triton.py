@@ -124,6 +124,17 @@ FLAT_DOWN: bool | None = None
 FLAT_DOWN_AUTO_K_STEPS = 16
 FLAT_GATE_UP = False
 
+# The bf16 / fp16 TMA down GEMM as a warp-specialised ping-pong kernel written in Gluon (moeflow/kernels/
+# moe_gemm_ws.py: a producer warp feeds a TMA ring, two consumer warp groups take alternate tiles so one
+# tile's epilogue runs under the other's wgmmas; host side moeflow/experts/triton_ws.py). The same bits
+# as the Triton down kernels. Off: it compiles for sm_90a (tests/test_gluon_ws.py) but has not run on a
+# GPU yet; a module flag so the diagnostics and the GPU tests can A/B it.
+WS_DOWN = False
+# The same schedule for the bf16 / fp16 TMA gate_up (moe_gemm_ws.moe_gate_up_ws_kernel: a producer warp
+# group gathers the activation rows by cp.async beside the weight boxes' TMA; 64-row consumer tiles). Off
+# for the same reason.
+WS_GATE_UP = False
+
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
     """Whether the fused gate_up box serves this shape: 8 | BN (the interleave) and BN | I."""
@@ -530,6 +541,8 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
 
     t = plan.cfg.gate_up
     H, I = plan.H, plan.I
+    if WS_GATE_UP and _launch_gate_up_ws(plan, x_rows, top_k_div, w, config):
+        return
     fused = fused_gate_up_ok(I, t.block_n)
     wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
@@ -553,6 +566,8 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
 
     t = plan.cfg.down
     E, H, I, BM = w.down.shape[0], plan.H, plan.I, plan.cfg.block_m
+    if WS_DOWN and _launch_down_ws(plan, w):
+        return
     ad = TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
     # the half tiles' activation rows (HALF_TAIL): the same buffer in [BM/2, BK] boxes
     ad_half = (TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM // 2, t.block_k])
@@ -568,6 +583,38 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
         GROUP_M=t.group_m, HALF_TAIL=plan.cfg.half_tail and not flat, num_warps=t.num_warps, num_stages=t.num_stages,
         PDL=plan.pdl_gemm, FLAT=flat, launch_pdl=plan.pdl,
     )
+
+
+def _launch_gate_up_ws(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
+                       config: MoEConfig) -> bool:
+    """The gate_up GEMM by the warp-specialised Gluon kernel (WS_GATE_UP); False where it does not serve."""
+    from .triton_ws import launch_gate_up_ws, ws_device_ok, ws_gate_up_tiles, ws_rows_ok
+
+    t = plan.cfg.gate_up
+    tiles = ws_gate_up_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.gate_up.dtype,
+                             config.activation)
+    if tiles is None or not ws_device_ok(plan.act_PI) or not ws_rows_ok(x_rows, w.gate_up.dtype):
+        return False
+    dev = plan.act_PI.device
+    sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+    launch_gate_up_ws(x_rows, w.gate_up, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N, top_k_div,
+                      plan.max_blocks, tiles, config.activation, float(config.swiglu_limit or 0.0), t.group_m, sms)
+    return True
+
+
+def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
+    """The down GEMM by the warp-specialised Gluon kernel (WS_DOWN); False where it does not serve."""
+    from .triton_ws import launch_down_ws, ws_device_ok, ws_down_tiles
+
+    t = plan.cfg.down
+    tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype)
+    if tiles is None or not ws_device_ok(plan.act_PI):
+        return False
+    dev = plan.act_PI.device
+    sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+    launch_down_ws(plan.act_PI, w.down, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks,
+                   tiles, t.group_m, sms)
+    return True
 
 
 def _launch_combine(plan: _Plan, wts_N: torch.Tensor | None, ids_N: torch.Tensor) -> None:

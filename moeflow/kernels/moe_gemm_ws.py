@@ -1,0 +1,406 @@
+"""Gluon kernels (Hopper): the aligned down GEMM, warp-specialised ping-pong (issue 16 item 1).
+
+Why Gluon: the Triton kernels of moe_gemm_tma.py leave the tensor pipe 65-76% busy at prefill
+(ncu, RESULTS.md 2026-12-04): one 8-warp CTA per SM both issues the copies and runs the wgmmas,
+and a tile's epilogue (convert, scatter the rows to y by pair) is not overlapped with any MMA.
+Triton 3.6's automatic warp specialisation crashed or gained <= 2% (sixth session). Gluon, the
+explicit-layout dialect Triton ships (triton.experimental.gluon), lets a kernel say which warps
+do what: this is CUTLASS's "ping-pong" schedule written in it.
+
+Schedule (one CTA per SM, persistent over the used (block, column tile) work of
+moe_gemm._tile_ids's grouped order, the same walk as moe_gemm_tma._down_flat):
+    producer   1 warp: for each of this CTA's tiles in order, for each K step, wait until the
+               ring stage is free, then TMA the act box [BM, BK] and the weight box [BN, BK]
+               into it (STAGES stages, an mbarrier pair per stage: ready / empty)
+    consumer 0 4 warps (one warp group, the default partition): this CTA's even tiles
+    consumer 1 4 warps (a worker partition): its odd tiles
+Each consumer owns whole tiles: its wgmmas (m64 x BN x k16, BM / 64 of them a K step) read the
+ring stage by stage in the producer's order, then it converts its accumulator and stores the
+rows by pair while the other consumer's tile is in the tensor core.
+
+Why an ordering barrier between the consumers (order[0], order[1]): a ring stage's "ready"
+mbarrier is waited by parity, which tells "this fill" from "the previous fill" only while the
+waiter is at most one lap of the ring ahead of the fills. Consumer 1's first tile starts k_tiles
+positions into the ring: waiting there at kernel start, a fresh barrier's parity would let it
+through before any data came. So a consumer starts a tile's main loop only once the other has
+passed every wait of the tile before (it arrives on order[WHICH] after its last wait): all fills
+before this tile are then done. This is CUTLASS's ping-pong order: the main loops alternate, each
+epilogue overlaps the other consumer's main loop.
+
+Numerics: each output element is the sum of the same products in the same K order (BK steps,
+k16 wgmma steps inside) as moe_gemm_tma._down_rows / _down_flat with the same BM, BN, BK: the
+same bits (the GPU test compares them bit for bit). No half tiles, one split.
+
+Status: compiled offline for sm_90a only (tests/test_gluon_ws.py); not yet run on a GPU, so
+nothing launches it by default (moeflow.experts.triton: WS_DOWN).
+"""
+
+from __future__ import annotations
+
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    fence_async_shared,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
+
+# Warps of each consumer (one warp group: a wgmma's unit) and of the producer.
+CONSUMER_WARPS = gl.constexpr(4)
+PRODUCER_WARPS = gl.constexpr(1)
+# Registers per thread asked for the worker partitions (setmaxnreg): the second consumer holds a
+# BM x BN f32 accumulator (BM * BN / 128 registers a thread), the producer only scalars.
+CONSUMER_REGS = gl.constexpr(232)
+PRODUCER_REGS = gl.constexpr(40)
+# Blocks counted per step when the kernel finds how many blocks are used.
+_COUNT_BLOCK = gl.constexpr(1024)
+
+
+@gluon.jit
+def _ws_tile_ids(tile, num_m, num_n, GROUP_M):
+    """moe_gemm._tile_ids in Gluon: grouped order, GROUP_M row blocks share a weight column tile."""
+    in_group = GROUP_M * num_n
+    group = tile // in_group
+    first_m = group * GROUP_M
+    size_m = gl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (tile % in_group) % size_m
+    pid_n = (tile % in_group) // size_m
+    return pid_m, pid_n
+
+
+@gluon.jit
+def _ws_used_blocks(block_expert_ptr, num_m, num_warps: gl.constexpr):
+    """Blocks with an expert (block_expert >= 0): a prefix, as moe_gemm_tma._used_blocks."""
+    layout: gl.constexpr = gl.BlockedLayout([4], [32], [num_warps], [0])
+    used = 0
+    for b0 in range(0, num_m, _COUNT_BLOCK):
+        offs = b0 + gl.arange(0, _COUNT_BLOCK, layout=layout)
+        e = gl.load(block_expert_ptr + offs, mask=offs < num_m, other=-1)
+        used += gl.sum((e >= 0).to(gl.int32), axis=0)
+    return used
+
+
+@gluon.jit
+def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, block_expert_ptr, used, H, I, NUM_PROGS, GROUP_M):
+    """Producer: the TMA copies of every K step of this CTA's tiles, in order, into the ring."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = ad.block_type.shape[0]
+    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
+    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    n_n = gl.cdiv(H, BLOCK_N)
+    k_tiles = gl.cdiv(I, BLOCK_K)
+    c = 0
+    for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
+        pid_m, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
+        e = gl.load(block_expert_ptr + pid_m)
+        p0 = pid_m * BLOCK_M
+        row_w = e * H + pid_n * BLOCK_N
+        for kt in range(k_tiles):
+            s = c % STAGES
+            # a fresh mbarrier counts as having completed the phase before phase 0: the first
+            # pass over the ring waits on parity 1 and goes straight through
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
+            tma.async_copy_global_to_shared(ad, [p0, kt * BLOCK_K], bar, a_bufs.index(s))
+            tma.async_copy_global_to_shared(wd, [row_w, kt * BLOCK_K], bar, b_bufs.index(s))
+            c += 1
+
+
+@gluon.jit
+def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn,
+                 WHICH: gl.constexpr, NUM_PROGS, GROUP_M):
+    """Consumer WHICH (0 or 1): the wgmmas and the epilogue of this CTA's tiles j with j % 2 == WHICH.
+
+    The wgmma is m64 x BN x k16 (BN <= 256, a multiple of 8): one instruction spans the tile's columns.
+    Every value here is derived from the buffers' shapes: a constexpr passed into a worker partition
+    arrives as a runtime value (Triton 3.6), and a layout needs constexprs.
+    """
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    n_n = gl.cdiv(H, BLOCK_N)
+    k_tiles = gl.cdiv(I, BLOCK_K)
+    pid = gl.program_id(0)
+    i = 0  # this consumer's tiles so far
+    for tile in range(pid + WHICH * NUM_PROGS, used * n_n, 2 * NUM_PROGS):
+        # this tile's first ring position: the producer walks every tile of the CTA, K steps each
+        c = ((tile - pid) // NUM_PROGS) * k_tiles
+        pid_m, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
+        if (WHICH == 1) | (i > 0):
+            # the other consumer has passed every wait of the tile before this one (module docstring);
+            # its arrivals on order[1 - WHICH] so far: i + WHICH (consumer 0 arrives first)
+            mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
+        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
+        for kt in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # keep this step's wgmma in flight; the one before it is done, so its stage is free
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
+            c += 1
+        mbarrier.arrive(order.index(WHICH), count=1)
+        i += 1
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
+        offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
+        pair = gl.load(sorted_ptr + offs_p)
+        row_ok = pair < num_pairs
+        offs_h = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
+        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
+        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+# The worker partitions take one argument list (Gluon's rule for workers): all of both roles.
+@gluon.jit
+def _ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
+                        H, I, stride_yn, NUM_PROGS, GROUP_M):
+    """Consumer 1 (a worker partition: the odd tiles)."""
+    _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, 1,
+                 NUM_PROGS, GROUP_M)
+
+
+@gluon.jit
+def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
+                         H, I, stride_yn, NUM_PROGS, GROUP_M):
+    """The producer (a worker partition)."""
+    _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, block_expert_ptr, used, H, I, NUM_PROGS, GROUP_M)
+
+
+@gluon.jit
+def moe_down_ws_kernel(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn,
+                       NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       num_warps: gl.constexpr):
+    """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm_tma.moe_down_tma_kernel (one split, no half tiles).
+
+    ad: Gluon TensorDescriptor over act_PI [P, I], block [BM, BK]; wd: over down viewed [E * H, I],
+    block [BN, BK] (both NVMMASharedLayout.get_default_for their block, bf16 / fp16); y_ptr: y_NH
+    [N, H] rows by pair (stride_yn). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default
+    partition); the workers add CONSUMER_WARPS + PRODUCER_WARPS. BN <= 256 (one wgmma's N).
+    """
+    gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
+    BLOCK_M: gl.constexpr = ad.block_type.shape[0]
+    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
+    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
+    gl.static_assert(BLOCK_M % 64 == 0, "a warp group's wgmma covers 64 rows")
+    gl.static_assert(BLOCK_N <= 256 and BLOCK_N % 8 == 0, "one wgmma spans the tile's columns")
+    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, BLOCK_M, BLOCK_K], ad.layout)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
+    worker_args = (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
+                   stride_yn, NUM_PROGS, GROUP_M)
+    gl.warp_specialize([
+        (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, 0,
+                        NUM_PROGS, GROUP_M)),
+        (_ws_down_mma_worker, worker_args),
+        (_ws_down_load_worker, worker_args),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------ gate_up
+# The gate_up GEMM in the same schedule (moe_gate_up_ws_kernel). Its activation rows are gathered
+# by token (x[pair // top_k]): Hopper's TMA has no gather, so the producer is a whole warp group
+# issuing cp.async copies of the rows (GU_PRODUCER_WARPS) next to the TMA copies of the gate and up
+# weight boxes. cp.async writes shared memory through the generic proxy and wgmma reads it through
+# the async proxy, so the producer hands a stage over only once its own copies of it are complete
+# (cp.async.wait_group), after a proxy fence: it keeps GU_COPY_DEPTH stages of row copies in flight
+# and arrives on a stage's "ready" barrier (count 2: this arrival and the weight copies' expect)
+# GU_COPY_DEPTH stages later. A consumer tile is 64 rows (one warp group's wgmma M): a BM-row block of
+# the alignment is BM / 64 tiles, and the gate and up accumulators [64, BN] are two wgmma chains per
+# K step (the two-dot form's bits, which are the fused form's).
+GU_PRODUCER_WARPS = gl.constexpr(4)
+GU_PRODUCER_REGS = gl.constexpr(56)
+GU_CONSUMER_REGS = gl.constexpr(224)
+GU_TILE_M = gl.constexpr(64)
+GU_COPY_DEPTH = gl.constexpr(2)
+
+
+@gluon.jit
+def _ws_activate(g, u, limit, ACT: gl.constexpr):
+    """moe_gemm._activate for ACT 0 (silu), 1 (gelu_tanh), 2 (swiglu_clamp): the same operations in the
+    same order, so the same bits (tl.sigmoid(v) is 1 / (1 + exp(-v)))."""
+    if ACT == 2:
+        g = gl.minimum(g, limit)
+        u = gl.minimum(gl.maximum(u, -limit), limit)
+    if ACT == 1:
+        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
+        out = 0.5 * g * (2.0 * (1 / (1 + gl.exp(-(2.0 * z))))) * u
+    else:
+        out = g * (1 / (1 + gl.exp(-g))) * u
+    return out
+
+
+@gluon.jit
+def _ws_gate_up_load(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
+                     num_pairs, H, I, top_k, stride_xt, NUM_PROGS, GROUP_M, SUB):
+    """Producer (a warp group): per K step of this CTA's tiles, the gate / up weight boxes by TMA and the
+    tile's 64 activation rows by cp.async (x[token of each row], zeros for padding rows)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    TPW_K: gl.constexpr = BLOCK_K // 8
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [GU_PRODUCER_WARPS, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    cols: gl.constexpr = gl.SliceLayout(0, copy_layout)
+    n_n = gl.cdiv(I, BLOCK_N)
+    k_tiles = gl.cdiv(H, BLOCK_K)
+    offs_k = gl.arange(0, BLOCK_K, layout=cols)
+    c = 0
+    for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
+        pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
+        e = gl.load(block_expert_ptr + pid_r // SUB)
+        pair = gl.load(sorted_ptr + pid_r * GU_TILE_M + gl.arange(0, GU_TILE_M, layout=rows))
+        row_ok = pair < num_pairs
+        tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
+        a_ptrs = x_ptr + gl.expand_dims(tok * stride_xt, 1) + gl.expand_dims(offs_k, 0)
+        a_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_k < BLOCK_K, 0)
+        row_g = e * (2 * I) + pid_n * BLOCK_N
+        for kt in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+            bar = ready.index(s)
+            mbarrier.expect(bar, 2 * wd.block_type.nbytes)
+            tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, g_bufs.index(s))
+            tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, u_bufs.index(s))
+            async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
+            async_copy.commit_group()
+            # the row copies of GU_COPY_DEPTH stages ago are complete: fence them into the async proxy
+            # and hand that stage over
+            async_copy.wait_group(GU_COPY_DEPTH)
+            fence_async_shared()
+            gl.thread_barrier()  # every thread's fence before the one arrival (made by one thread)
+            done = c - GU_COPY_DEPTH
+            mbarrier.arrive(ready.index((done + STAGES) % STAGES), count=1, pred=done >= 0)
+            c += 1
+    async_copy.wait_group(0)
+    fence_async_shared()
+    gl.thread_barrier()
+    for d in gl.static_range(GU_COPY_DEPTH):
+        done = c - GU_COPY_DEPTH + d
+        mbarrier.arrive(ready.index((done + STAGES) % STAGES), count=1, pred=done >= 0)
+
+
+@gluon.jit
+def _ws_gate_up_mma(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
+                    stride_ap, limit, WHICH: gl.constexpr, NUM_PROGS, GROUP_M, SUB, ACT: gl.constexpr):
+    """Consumer WHICH: gate and up wgmma chains of its 64-row tiles, then act(g, u) stored by row."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = g_bufs.type.shape[1]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 16])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    n_n = gl.cdiv(I, BLOCK_N)
+    k_tiles = gl.cdiv(H, BLOCK_K)
+    pid = gl.program_id(0)
+    i = 0
+    for tile in range(pid + WHICH * NUM_PROGS, used * SUB * n_n, 2 * NUM_PROGS):
+        c = ((tile - pid) // NUM_PROGS) * k_tiles
+        pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
+        if (WHICH == 1) | (i > 0):
+            mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
+        acc_g = gl.zeros([GU_TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+        acc_u = gl.zeros([GU_TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+        for kt in range(k_tiles):
+            s = c % STAGES
+            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+            a = a_bufs.index(s)
+            acc_g = warpgroup_mma(a, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
+            acc_u = warpgroup_mma(a, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
+            # this step's two wgmmas stay in flight; the previous step's are done, so its stage is free
+            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
+            c += 1
+        mbarrier.arrive(order.index(WHICH), count=1)
+        i += 1
+        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
+        out = _ws_activate(acc_g, acc_u, limit, ACT)
+        offs_p = pid_r * GU_TILE_M + gl.arange(0, GU_TILE_M, layout=row_layout)
+        row_ok = gl.load(sorted_ptr + offs_p) < num_pairs
+        offs_j = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+        act_ptrs = act_ptr + gl.expand_dims(offs_p.to(gl.int64) * stride_ap, 1) + gl.expand_dims(offs_j, 0)
+        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_j < I, 0)
+        gl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=mask)
+
+
+# The worker partitions take one argument list (all of both roles).
+@gluon.jit
+def _ws_gate_up_mma_worker(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr,
+                           block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS,
+                           GROUP_M, SUB, ACT: gl.constexpr):
+    """Consumer 1 (a worker partition: the odd tiles)."""
+    _ws_gate_up_mma(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
+                    stride_ap, limit, 1, NUM_PROGS, GROUP_M, SUB, ACT)
+
+
+@gluon.jit
+def _ws_gate_up_load_worker(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr,
+                            block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS,
+                            GROUP_M, SUB, ACT: gl.constexpr):
+    """The producer (a worker partition)."""
+    _ws_gate_up_load(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
+                     num_pairs, H, I, top_k, stride_xt, NUM_PROGS, GROUP_M, SUB)
+
+
+@gluon.jit
+def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, top_k, num_m,
+                          stride_xt, stride_ap, limit,
+                          ACT: gl.constexpr, BLOCK_M: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+                          STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm_tma.moe_gate_up_tma_kernel (ACT 0 / 1 / 2).
+
+    wd: Gluon TensorDescriptor over gate_up viewed [E * 2I, H] (gate rows then up rows), block [BN, BK];
+    x_ptr [*, H] rows of the tokens (unit column stride, 16-byte aligned rows: cp.async), act_ptr
+    act_PI [P, I]; BLOCK_M the alignment's block (64 or 128: 64-row tiles, BLOCK_M / 64 a block).
+    Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
+    """
+    gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
+    gl.static_assert(BLOCK_M % GU_TILE_M == 0, "an alignment block is whole 64-row tiles")
+    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    BLOCK_K: gl.constexpr = wd.block_type.shape[1]
+    gl.static_assert(BLOCK_N <= 256 and BLOCK_N % 8 == 0, "one wgmma spans the tile's columns")
+    gl.static_assert(BLOCK_K % 8 == 0 and BLOCK_K <= 256, "the row copies are 8-element chunks")
+    gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GU_TILE_M, BLOCK_K], wd.dtype)
+    a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, GU_TILE_M, BLOCK_K], a_layout)
+    g_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
+    u_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=2)  # the weight copies' expect + the producer's row hand-over
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
+    SUB = BLOCK_M // GU_TILE_M
+    worker_args = (x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, block_expert_ptr,
+                   used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS, GROUP_M, SUB, ACT)
+    gl.warp_specialize([
+        (_ws_gate_up_mma, (a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
+                           stride_ap, limit, 0, NUM_PROGS, GROUP_M, SUB, ACT)),
+        (_ws_gate_up_mma_worker, worker_args),
+        (_ws_gate_up_load_worker, worker_args),
+    ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])

@@ -1,0 +1,144 @@
+"""The warp-specialised Gluon gate_up and down GEMMs (moeflow/kernels/moe_gemm_ws.py; issue 16 item 1).
+
+CPU: their tile choice, and an offline sm_90a compile (Triton's bundled ptxas / nvdisasm): three
+partitions with their register budgets, the consumers' K loop (one ring wait, the wgmmas, one
+release), the gate_up producer's row copies handed over after a proxy fence, no spills. The GPU test
+(the experts step with them against the Triton TMA kernels, bit for bit, and under CUDA-graph replay)
+is tests/test_experts_triton.py::test_gpu_ws_kernels_equal_the_triton_kernels_bitwise.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import pytest
+import torch
+
+HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _gluon_tools() -> bool:
+    if not HAS_TRITON:
+        return False
+    try:
+        from triton.backends.nvidia import compiler as nvc
+        from triton.experimental.gluon.language.nvidia.hopper import warpgroup_mma  # noqa: F401
+    except ImportError:
+        return False
+    bin_dir = os.path.join(os.path.dirname(nvc.__file__), "bin")
+    return all(os.path.exists(os.path.join(bin_dir, t)) for t in ("ptxas", "nvdisasm"))
+
+
+needs_gluon = pytest.mark.skipif(not _gluon_tools(), reason="triton with Gluon and its bundled ptxas / nvdisasm "
+                                                             "not installed")
+
+
+def test_tiles_follow_the_plan_within_the_accumulator_budget():
+    from moeflow.experts.triton_ws import ws_down_tiles
+
+    bf16 = torch.bfloat16
+    # qwen3 down (H 2048, I 768): the plan's BM 128 x BN 256 is narrowed to BN 128 (128 f32 a thread)
+    assert ws_down_tiles(128, 256, 64, 2048, 768, bf16) == (128, 128, 64, 6)
+    # BM 64 keeps BN 256; a stage is (64 + 256) x 64 x 2 bytes = 40 KB: 5 stages in 200 KB
+    assert ws_down_tiles(64, 256, 64, 7168, 2048, bf16) == (64, 256, 64, 5)
+    assert ws_down_tiles(128, 64, 128, 4096, 14336, torch.float16) == (128, 64, 128, 4)  # 48 KB a stage
+    # refused: decode tiles, BN not dividing H, BK not dividing I, f32 (no bf16 wgmma)
+    assert ws_down_tiles(16, 64, 256, 2048, 768, bf16) is None
+    assert ws_down_tiles(128, 128, 64, 2880, 768, bf16) is None
+    assert ws_down_tiles(128, 128, 128, 2048, 704, bf16) is None
+    assert ws_down_tiles(128, 128, 64, 2048, 768, torch.float32) is None
+
+
+def test_gate_up_tiles():
+    from moeflow.experts.triton_ws import ws_gate_up_tiles
+
+    bf16 = torch.bfloat16
+    # a stage: 64 rows + gate and up boxes of BN 128, BK 64: 40 KB, 5 in 200 KB
+    assert ws_gate_up_tiles(128, 128, 64, 2048, 768, bf16, "silu") == (128, 128, 64, 5)
+    # BK 128 would leave 2 stages: BK 64 instead (the same bits); BN 256 narrowed to 128
+    assert ws_gate_up_tiles(128, 256, 128, 7168, 2048, bf16, "silu") == (128, 128, 64, 5)
+    assert ws_gate_up_tiles(64, 64, 128, 4096, 14336, bf16, "gelu_tanh") == (64, 64, 128, 4)  # 48 KB a stage
+    # refused: gpt-oss's activation, decode tiles, BN not dividing I
+    assert ws_gate_up_tiles(128, 128, 64, 2880, 2880, bf16, "gptoss") is None
+    assert ws_gate_up_tiles(16, 64, 128, 2048, 768, bf16, "silu") is None
+    assert ws_gate_up_tiles(128, 128, 64, 2048, 704, bf16, "silu") is None
+
+
+def test_off_by_default_and_never_on_cpu_tensors():
+    import moeflow.experts.triton as TE
+    from moeflow.experts.triton_ws import ws_device_ok, ws_rows_ok
+
+    assert TE.WS_DOWN is False and TE.WS_GATE_UP is False  # not run on a GPU yet: nothing launches them
+    assert ws_rows_ok(torch.empty(4, 64, dtype=torch.bfloat16), torch.bfloat16)
+    assert not ws_rows_ok(torch.empty(4, 60, dtype=torch.bfloat16), torch.bfloat16)  # 120-byte rows
+    assert not ws_rows_ok(torch.empty(4, 64), torch.bfloat16)
+    assert ws_device_ok(torch.empty(4, 4)) is False  # the interpreter never gets a Gluon launch
+
+
+def _compile(bm: int, bn: int, bk: int, stages: int):
+    from benchmarks.sass_mix import compile_kernel, gluon_desc_type
+    from moeflow.kernels.moe_gemm_ws import moe_down_ws_kernel
+
+    types = dict(ad=gluon_desc_type("bf16", [bm, bk]), wd=gluon_desc_type("bf16", [bn, bk]), y_ptr="*bf16",
+                 sorted_ptr="*i32", block_expert_ptr="*i32")
+    consts = dict(NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
+    return compile_kernel(moe_down_ws_kernel, types, consts, num_warps=4, div16=("H", "I", "stride_yn"))
+
+
+@needs_gluon
+@pytest.mark.parametrize("bm,bn,bk,stages", [(128, 128, 64, 6), (64, 256, 64, 5)])
+def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages):
+    from benchmarks.sass_mix import gmma_loop, opcode_mix, sass_text
+
+    k = _compile(bm, bn, bk, stages)
+    sass = sass_text(k)
+    ptx = k.asm["ptx"]
+    # 4 consumer warps + 4 consumer warps + 1 producer warp, padded to whole warp groups
+    assert ".reqntid 384" in ptx, ptx[:2000]
+    # CUTLASS's register split: both consumer warp groups at 232, the producer's at 40
+    assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in ptx
+    assert ptx.count("setmaxnreg.inc.sync.aligned.u32 \t232;") >= 1
+    assert "setmaxnreg.dec.sync.aligned.u32 \t232;" in ptx  # the default partition, from its parent region
+    assert "STL" not in sass and "LDL" not in sass  # no spills
+    lines = gmma_loop(sass)
+    loop = opcode_mix(lines)
+    # one consumer's K step: BM / 64 rows of m64 x BN x k16 wgmmas, BK / 16 deep, and no other shape
+    assert sum(f"HGMMA.64x{bn}x16.F32.BF16 " in ln for ln in lines) == (bm // 64) * (bk // 16), loop
+    assert sum("GMMA." in ln for ln in lines) == (bm // 64) * (bk // 16), loop
+    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1, loop  # the ring stage's "ready" wait
+    assert loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop  # the previous stage's release
+    assert sum(loop.values()) < 100, loop
+    # the producer's two TMA copies a stage
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
+
+
+@needs_gluon
+@pytest.mark.parametrize("bm,bn,bk,stages,act", [(128, 128, 64, 5, 0), (64, 64, 128, 4, 1)])
+def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act):
+    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
+    from moeflow.kernels.moe_gemm_ws import moe_gate_up_ws_kernel
+
+    types = dict(x_ptr="*bf16", wd=gluon_desc_type("bf16", [bn, bk]), act_ptr="*bf16", sorted_ptr="*i32",
+                 block_expert_ptr="*i32", limit="fp32")
+    consts = dict(ACT=act, BLOCK_M=bm, NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
+    k = compile_kernel(moe_gate_up_ws_kernel, types, consts, num_warps=4,
+                       div16=("H", "I", "stride_xt", "stride_ap"))
+    sass, ptx = sass_text(k), k.asm["ptx"]
+    assert ".reqntid 384" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 \t56;" in ptx  # the producer warp group
+    assert "setmaxnreg.inc.sync.aligned.u32 \t224;" in ptx and "setmaxnreg.dec.sync.aligned.u32 \t224;" in ptx
+    assert "STL" not in sass and "LDL" not in sass
+    lines = gmma_loop(sass)
+    loop = opcode_mix(lines)
+    # a consumer's K step: a gate and an up chain of m64 x BN x k16 wgmmas, BK / 16 deep each
+    assert sum(f"HGMMA.64x{bn}x16.F32.BF16 " in ln for ln in lines) == 2 * (bk // 16), loop
+    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1 and loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop
+    # the producer: 16-byte row copies, then wait for the copies of two stages ago, fence them into the
+    # async proxy on every thread, and only then the one arrival
+    rows_per_thread = 64 * bk // (128 * 8)
+    assert ptx.count("cp.async.cg.shared.global") == rows_per_thread, ptx.count("cp.async.cg.shared.global")
+    i = ptx.index("cp.async.wait_group \t2;")
+    tail = ptx[i:ptx.index("mbarrier.arrive.shared::cta.b64", i)]
+    assert tail.index("fence.proxy.async.shared::cta") < tail.rindex("bar.sync"), tail
+    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
