@@ -1,4 +1,4 @@
-"""Gluon kernels (Hopper): the aligned down GEMM, warp-specialised ping-pong (issue 16 item 1).
+"""Gluon kernels (Hopper): the aligned gate_up and down GEMMs, warp-specialised ping-pong (issue 16 item 1).
 
 Why Gluon: the Triton kernels of moe_gemm_tma.py leave the tensor pipe 65-76% busy at prefill
 (ncu, RESULTS.md 2026-12-04): one 8-warp CTA per SM both issues the copies and runs the wgmmas,
@@ -7,8 +7,9 @@ Triton 3.6's automatic warp specialisation crashed or gained <= 2% (sixth sessio
 explicit-layout dialect Triton ships (triton.experimental.gluon), lets a kernel say which warps
 do what: this is CUTLASS's "ping-pong" schedule written in it.
 
-Schedule (one CTA per SM, persistent over the used (block, column tile) work of
-moe_gemm._tile_ids's grouped order, the same walk as moe_gemm_tma._down_flat):
+Schedule of the down GEMM (gate_up: the same with the differences listed at its kernels below; one
+CTA per SM, persistent over the used (block, column tile) work of moe_gemm._tile_ids's grouped
+order, the same walk as moe_gemm_tma._down_flat):
     producer   1 warp: for each of this CTA's tiles in order, for each K step, wait until the
                ring stage is free, then TMA the act box [BM, BK] and the weight box [BN, BK]
                into it (STAGES stages, an mbarrier pair per stage: ready / empty)
@@ -31,8 +32,9 @@ Numerics: each output element is the sum of the same products in the same K orde
 k16 wgmma steps inside) as moe_gemm_tma._down_rows / _down_flat with the same BM, BN, BK: the
 same bits (the GPU test compares them bit for bit). No half tiles, one split.
 
-Status: compiled offline for sm_90a only (tests/test_gluon_ws.py); not yet run on a GPU, so
-nothing launches it by default (moeflow.experts.triton: WS_DOWN).
+Status: compiled offline for sm_90a only (tests/test_gluon_ws.py; the synchronisation is
+model-checked in tests/test_ws_protocol.py); not yet run on a GPU, so nothing launches them by
+default (moeflow.experts.triton: WS_DOWN, WS_GATE_UP).
 """
 
 from __future__ import annotations
@@ -225,8 +227,11 @@ def moe_down_ws_kernel(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H
 # (cp.async.wait_group), after a proxy fence: it keeps GU_COPY_DEPTH stages of row copies in flight
 # and arrives on a stage's "ready" barrier (count 2: this arrival and the weight copies' expect)
 # GU_COPY_DEPTH stages later. A consumer tile is 64 rows (one warp group's wgmma M): a BM-row block of
-# the alignment is BM / 64 tiles, and the gate and up accumulators [64, BN] are two wgmma chains per
-# K step (the two-dot form's bits, which are the fused form's).
+# the alignment is BM / 64 tiles. The gate box and the up box land in the two halves of one [2BN, BK]
+# stage, so a K step is one chain of m64 x 2BN x k16 wgmmas (as the Triton kernels' fused form: the A
+# tile read once, half the instructions); in the accumulator layout every thread holds the same
+# columns of both halves, so splitting gate from up is a register renaming. The same bits as the
+# two-dot and fused forms (each element: the same products, the same K order).
 GU_PRODUCER_WARPS = gl.constexpr(4)
 GU_PRODUCER_REGS = gl.constexpr(56)
 GU_CONSUMER_REGS = gl.constexpr(224)
@@ -250,7 +255,7 @@ def _ws_activate(g, u, limit, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _ws_gate_up_load(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
+def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
                      num_pairs, H, I, top_k, stride_xt, NUM_PROGS, GROUP_M, SUB):
     """Producer (a warp group): per K step of this CTA's tiles, the gate / up weight boxes by TMA and the
     tile's 64 activation rows by cp.async (x[token of each row], zeros for padding rows)."""
@@ -279,8 +284,9 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, sorted_ptr
             mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
             bar = ready.index(s)
             mbarrier.expect(bar, 2 * wd.block_type.nbytes)
-            tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, g_bufs.index(s))
-            tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, u_bufs.index(s))
+            b = b_bufs.index(s)
+            tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, BLOCK_N))
+            tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(BLOCK_N, BLOCK_N))
             async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
             async_copy.commit_group()
             # the row copies of GU_COPY_DEPTH stages ago are complete: fence them into the async proxy
@@ -300,16 +306,16 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, sorted_ptr
 
 
 @gluon.jit
-def _ws_gate_up_mma(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
+def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
                     stride_ap, limit, WHICH: gl.constexpr, NUM_PROGS, GROUP_M, SUB, ACT: gl.constexpr):
-    """Consumer WHICH: gate and up wgmma chains of its 64-row tiles, then act(g, u) stored by row."""
+    """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its 64-row tiles (gate columns, then up
+    columns), then act(g, u) stored by row."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = g_bufs.type.shape[1]
+    BLOCK_N2: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = BLOCK_N2 // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+                                                         instr_shape=[16, BLOCK_N2, 16])
     n_n = gl.cdiv(I, BLOCK_N)
     k_tiles = gl.cdiv(H, BLOCK_K)
     pid = gl.program_id(0)
@@ -319,23 +325,24 @@ def _ws_gate_up_mma(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if (WHICH == 1) | (i > 0):
             mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
-        acc_g = gl.zeros([GU_TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
-        acc_u = gl.zeros([GU_TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+        acc = gl.zeros([GU_TILE_M, BLOCK_N2], gl.float32, layout=mma_layout)
         for kt in range(k_tiles):
             s = c % STAGES
             mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            a = a_bufs.index(s)
-            acc_g = warpgroup_mma(a, g_bufs.index(s).permute((1, 0)), acc_g, is_async=True)
-            acc_u = warpgroup_mma(a, u_bufs.index(s).permute((1, 0)), acc_u, is_async=True)
-            # this step's two wgmmas stay in flight; the previous step's are done, so its stage is free
-            acc_g, acc_u = warpgroup_mma_wait(num_outstanding=2, deps=(acc_g, acc_u))
+            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+            # this step's wgmmas stay in flight; the previous step's are done, so its stage is free
+            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
             mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
             c += 1
         mbarrier.arrive(order.index(WHICH), count=1)
         i += 1
-        acc_g, acc_u = warpgroup_mma_wait(num_outstanding=0, deps=(acc_g, acc_u))
+        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
-        out = _ws_activate(acc_g, acc_u, limit, ACT)
+        # columns [0, BN) are gate, [BN, 2BN) up: a thread holds the same columns of both (renaming only)
+        g, u = gl.split(gl.permute(gl.reshape(acc, [GU_TILE_M, 2, BLOCK_N]), [0, 2, 1]))
+        out = _ws_activate(g, u, limit, ACT)
+        row_layout: gl.constexpr = gl.SliceLayout(1, out.type.layout)
+        col_layout: gl.constexpr = gl.SliceLayout(0, out.type.layout)
         offs_p = pid_r * GU_TILE_M + gl.arange(0, GU_TILE_M, layout=row_layout)
         row_ok = gl.load(sorted_ptr + offs_p) < num_pairs
         offs_j = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
@@ -346,20 +353,20 @@ def _ws_gate_up_mma(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted
 
 # The worker partitions take one argument list (all of both roles).
 @gluon.jit
-def _ws_gate_up_mma_worker(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr,
+def _ws_gate_up_mma_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr,
                            block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS,
                            GROUP_M, SUB, ACT: gl.constexpr):
     """Consumer 1 (a worker partition: the odd tiles)."""
-    _ws_gate_up_mma(a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
+    _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
                     stride_ap, limit, 1, NUM_PROGS, GROUP_M, SUB, ACT)
 
 
 @gluon.jit
-def _ws_gate_up_load_worker(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr,
+def _ws_gate_up_load_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr,
                             block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS,
                             GROUP_M, SUB, ACT: gl.constexpr):
     """The producer (a worker partition)."""
-    _ws_gate_up_load(x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
+    _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
                      num_pairs, H, I, top_k, stride_xt, NUM_PROGS, GROUP_M, SUB)
 
 
@@ -379,13 +386,12 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, num_
     gl.static_assert(BLOCK_M % GU_TILE_M == 0, "an alignment block is whole 64-row tiles")
     BLOCK_N: gl.constexpr = wd.block_type.shape[0]
     BLOCK_K: gl.constexpr = wd.block_type.shape[1]
-    gl.static_assert(BLOCK_N <= 256 and BLOCK_N % 8 == 0, "one wgmma spans the tile's columns")
+    gl.static_assert(BLOCK_N <= 128 and BLOCK_N % 8 == 0, "one wgmma spans the gate and up columns (2BN <= 256)")
     gl.static_assert(BLOCK_K % 8 == 0 and BLOCK_K <= 256, "the row copies are 8-element chunks")
     gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GU_TILE_M, BLOCK_K], wd.dtype)
     a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, GU_TILE_M, BLOCK_K], a_layout)
-    g_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
-    u_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], wd.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
@@ -396,10 +402,10 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, num_
         mbarrier.init(order.index(i), count=1)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
     SUB = BLOCK_M // GU_TILE_M
-    worker_args = (x_ptr, wd, a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, block_expert_ptr,
+    worker_args = (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, block_expert_ptr,
                    used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS, GROUP_M, SUB, ACT)
     gl.warp_specialize([
-        (_ws_gate_up_mma, (a_bufs, g_bufs, u_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
+        (_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
                            stride_ap, limit, 0, NUM_PROGS, GROUP_M, SUB, ACT)),
         (_ws_gate_up_mma_worker, worker_args),
         (_ws_gate_up_load_worker, worker_args),
