@@ -48,7 +48,7 @@ if str(ROOT) not in sys.path:
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "experts" | "gmm" | "quant" | "router_fused" | "router_2k"
+    kind: str  # "experts" | "experts_ws" | "gmm" | "quant" | "router_fused" | "router_2k"
     shape: str  # a standard shape (benchmarks/common.py STANDARD_SHAPES / bench_experts_quant.SHAPES)
     T: int
     what: str
@@ -58,7 +58,7 @@ class Case:
     def tiny_shape(self) -> str:
         if self.kind == "quant":
             return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8") else "tiny-mxfp4"
-        if self.kind in ("experts", "gmm"):
+        if self.kind in ("experts", "experts_ws", "gmm"):
             return "tiny-gptoss" if self.shape == "gpt-oss-120b" else "tiny-silu"
         return self.shape  # router: the real spec and E, H cut down (see _router_inputs)
 
@@ -94,6 +94,11 @@ CASES: tuple[Case, ...] = (
          "torch grouped_mm gate_up + act + down on rows pre-sorted by expert, T=8192", tiny_T=64),
     Case("gmm_prefill_t8192_deepseek_v3", "gmm", "deepseek-v3", 8192,
          "torch grouped_mm gate_up + act + down on rows pre-sorted by expert, T=8192", tiny_T=64),
+    # the warp-specialised Gluon GEMMs (experts.triton.WS_GATE_UP / WS_DOWN on; moe_gemm_ws.py)
+    Case("ws_prefill_t8192_qwen3", "experts_ws", "qwen3-30b-a3b", 8192,
+         "TritonExperts() T=8192 with the Gluon gate_up and down", tiny_T=64),
+    Case("ws_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
+         "TritonExperts() T=8192 with the Gluon gate_up and down", tiny_T=64),
     Case("router_fused_t1_deepseek_v3", "router_fused", "deepseek-v3", 1,
          "router_step_cuda(fused=True) T=1: one launch (GEMM partials + last-program select)"),
     Case("router_fused_t1_qwen3", "router_fused", "qwen3-30b-a3b", 1, "router_step_cuda(fused=True) T=1"),
@@ -167,7 +172,11 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     spec, weights, config, uniform routing (seed 0), x, and the facts every experts case reports."""
     import torch
 
+    import moeflow.experts.triton as TE
     from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec
+
+    if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
+        TE.WS_GATE_UP = TE.WS_DOWN = True
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -185,15 +194,19 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
 
 
 def _setup_experts(case: Case, tiny: bool, dev):
+    import moeflow.experts.triton as TE
     from moeflow.experts.triton import TritonExperts
 
+    if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
+        TE.WS_GATE_UP = TE.WS_DOWN = True
     a = _expert_inputs(case, tiny, dev)
     x, ids, wts, w, cfg = a["x"], a["ids"], a["wts"], a["w"], a["cfg"]
     T, K, E = a["facts"]["T"], a["facts"]["K"], a["facts"]["E"]
     impl = TritonExperts(allow_cpu=tiny)
     decode = impl.uses_decode_path(T, K, E, w)
     tiles = (impl.decode_config_for(w, K, T) if decode else impl.tile_config_for(w, K, T)).to_dict()
-    info = dict(impl=repr(impl), **a["facts"], path="decode" if decode else "aligned", tiles=tiles)
+    info = dict(impl=repr(impl), **a["facts"], path="decode" if decode else "aligned", tiles=tiles,
+                gluon_ws=bool(TE.WS_GATE_UP and TE.WS_DOWN))
 
     def fn():
         return impl.forward_tokens(x, ids, wts, w, cfg)
@@ -282,7 +295,7 @@ def _setup_router(case: Case, tiny: bool, dev):
     return fn, info
 
 
-SETUP = {"experts": _setup_experts, "gmm": _setup_gmm, "quant": _setup_quant, "router_fused": _setup_router,
+SETUP = {"experts": _setup_experts, "experts_ws": _setup_experts, "gmm": _setup_gmm, "quant": _setup_quant, "router_fused": _setup_router,
          "router_2k": _setup_router}
 
 

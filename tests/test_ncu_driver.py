@@ -212,6 +212,7 @@ def test_list_and_names():
             "experts_prefill_t8192_deepseek_v3", "experts_prefill_t2048_mixtral",
             "experts_prefill_t512_gpt_oss", "experts_prefill_t8192_gpt_oss", "experts_prefill_t8192_ds_v41",
             "experts_prefill_t2048_qwen3", "gmm_prefill_t8192_qwen3", "gmm_prefill_t8192_deepseek_v3",
+            "ws_prefill_t8192_qwen3", "ws_prefill_t8192_deepseek_v3",
             "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3", "quant_fp8_decode_t2_deepseek_v3",
             "quant_fp8_prefill_t8192_qwen3"} == set(names)
