@@ -115,16 +115,20 @@ def tile_ids(tile, num_m, num_n, group_m):
 
 def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: bool, order: bool = True,
                  copy_depth: int = 2):
-    """One CTA (program pid of nprogs) of moe_down_ws_kernel (gate_up=False) or moe_gate_up_ws_kernel."""
+    """One CTA (program pid of nprogs) of moe_down_ws_kernel (gate_up=False) or moe_gate_up_ws_kernel.
+    Some tiles (chosen by the seed) are all padding: every agent skips them (moe_gemm_ws._ws_live)."""
     sim = Sim(stages, seed)
     ready = [Barrier(2 if gate_up else 1) for _ in range(stages)]
     empty = [Barrier(1) for _ in range(stages)]
     orders = [Barrier(1), Barrier(1)]
     tiles = list(range(pid, n_tiles_total, nprogs))
+    dead = {t for t in tiles if random.Random(seed * 7919 + t).random() < 0.25}
 
     def producer():
         c = 0
-        for _tile in tiles:
+        for tile in tiles:
+            if tile in dead:
+                continue
             for _kt in range(k_tiles):
                 s = c % stages
                 yield ("wait", empty[s], ((c // stages) & 1) ^ 1)
@@ -161,7 +165,8 @@ def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: boo
     def consumer(which):
         i = 0
         parts = {"gate", "up", "rows"} if gate_up else {"act", "w"}
-        for j, _tile in enumerate(tiles):
+        live = [t for t in tiles if t not in dead]
+        for j, _tile in enumerate(live):
             if j % 2 != which:
                 continue
             c = j * k_tiles

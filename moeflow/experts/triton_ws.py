@@ -8,12 +8,13 @@ gate_up GEMM here where `ws_down_tiles` / `ws_gate_up_tiles` accept the shape. T
 Triton kernels' bits: every output element sums the same products in the same K order (k16 wgmma
 steps, one split), whatever BM / BN / BK and however the tiles are scheduled. So this module picks
 its own tiles from the plan's (down; gate_up: ws_gate_up_tiles):
-    BM  the alignment's block (act_PI is padded per expert to BM rows; a tile is one block);
-        64 or 128 (a warp group's wgmma covers 64 rows)
-    BN  the plan's down BN, narrowed so one consumer's f32 accumulator stays at BM * BN / 128 <=
-        ACC_REGS registers a thread (128 x 128 or 64 x 256), and at most 256 (one wgmma's N)
+    BM  the alignment's block (act_PI is padded per expert to BM rows), 64 or 128; a consumer tile
+        is 64 rows (a warp group's wgmma M), so a block is BM / 64 tiles and a tile of padding
+        only (the second half of a block with <= 64 pairs) is skipped
+    BN  the plan's down BN, at most 256 (one wgmma's N; one consumer's f32 accumulator is then
+        64 * BN / 128 <= ACC_REGS registers a thread)
     BK  the plan's down BK
-    STAGES as many ring stages of (BM + BN) x BK operands as fit SMEM_BYTES, at most MAX_STAGES.
+    STAGES as many ring stages of (64 + BN) x BK operands as fit SMEM_BYTES, at most MAX_STAGES.
 
 Importing this module imports neither Triton nor Gluon (they load at the first launch).
 """
@@ -26,6 +27,8 @@ import torch
 
 # One consumer warp group's accumulator: at most this many f32 registers a thread (of its 232).
 ACC_REGS = 128
+# Rows of a consumer tile (moe_gemm_ws.TILE_M).
+TILE_M = 64
 # Shared memory the ring may take (Hopper: 227 KB a block; the rest holds the barriers and the
 # compiler's own scratch) and the deepest ring worth having.
 SMEM_BYTES = 200 * 1024
@@ -38,21 +41,19 @@ def ws_down_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, dtyp
     does not serve the shape (BM not 64 / 128, BN or BK not dividing H / I, a dtype without wgmma)."""
     if dtype not in (torch.bfloat16, torch.float16) or block_m not in (64, 128):
         return None
-    bn = min(block_n, 256, ACC_REGS * 128 // block_m)
+    bn = min(block_n, 256, ACC_REGS * 128 // TILE_M)
     if bn < 8 or bn % 8 or H % bn or I % block_k or block_k % 16:
         return None
-    stage_bytes = (block_m + bn) * block_k * 2
+    stage_bytes = (TILE_M + bn) * block_k * 2
     stages = min(MAX_STAGES, SMEM_BYTES // stage_bytes)
     if stages < 2:
         return None
     return block_m, bn, block_k, stages
 
 
-# gate_up: one 64-row tile a consumer (its two accumulators [64, BN] hold 2 * 64 * BN / 128 = BN
-# registers a thread), the ring's stages hold the rows and the gate and up boxes; at least
-# GU_MIN_STAGES stages (moe_gemm_ws.GU_COPY_DEPTH stages of row copies in flight, plus the one the
-# wgmmas read, plus one).
-GU_TILE_M = 64
+# gate_up: the same 64-row tiles (its accumulator [64, 2BN] holds BN registers a thread), the ring's
+# stages hold the rows and the gate and up boxes; at least GU_MIN_STAGES stages
+# (moe_gemm_ws.GU_COPY_DEPTH stages of row copies in flight, plus the one the wgmmas read, plus one).
 GU_MIN_STAGES = 4
 _WS_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2}
 
@@ -69,7 +70,7 @@ def ws_gate_up_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, d
     if bn < 8 or bn % 8 or I % bn:
         return None
     for bk in dict.fromkeys((block_k, 64)):
-        stages = min(MAX_STAGES, SMEM_BYTES // ((GU_TILE_M + 2 * bn) * bk * 2))
+        stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + 2 * bn) * bk * 2))
         if H % bk == 0 and bk % 16 == 0 and 32 % (bk // 8) == 0 and stages >= GU_MIN_STAGES:
             return block_m, bn, bk, stages
     return None
@@ -111,12 +112,13 @@ def launch_down_ws(act_PI: torch.Tensor, W_EHI: torch.Tensor, y_NH: torch.Tensor
     E, H, I = W_EHI.shape
     P = act_PI.shape[0]
     el = gl.bfloat16 if act_PI.dtype == torch.bfloat16 else gl.float16
-    ad = TensorDescriptor(act_PI, [P, I], [I, 1], [BM, BK], gl.NVMMASharedLayout.get_default_for([BM, BK], el))
+    ad = TensorDescriptor(act_PI, [P, I], [I, 1], [TILE_M, BK],
+                          gl.NVMMASharedLayout.get_default_for([TILE_M, BK], el))
     wd = TensorDescriptor(W_EHI.view(E * H, I), [E * H, I], [I, 1], [BN, BK],
                           gl.NVMMASharedLayout.get_default_for([BN, BK], el))
     moe_down_ws_kernel[(num_programs,)](
         ad, wd, y_NH, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, y_NH.stride(0),
-        NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, num_warps=CONSUMER_WARPS.value,
+        BLOCK_M=BM, NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, num_warps=CONSUMER_WARPS.value,
     )
 
 

@@ -8,16 +8,20 @@ explicit-layout dialect Triton ships (triton.experimental.gluon), lets a kernel 
 do what: this is CUTLASS's "ping-pong" schedule written in it.
 
 Schedule of the down GEMM (gate_up: the same with the differences listed at its kernels below; one
-CTA per SM, persistent over the used (block, column tile) work of moe_gemm._tile_ids's grouped
-order, the same walk as moe_gemm_tma._down_flat):
-    producer   1 warp: for each of this CTA's tiles in order, for each K step, wait until the
-               ring stage is free, then TMA the act box [BM, BK] and the weight box [BN, BK]
+CTA per SM, persistent over the (64-row tile, column tile) work of the used blocks in
+moe_gemm._tile_ids's grouped order, as moe_gemm_tma._down_flat walks blocks):
+    tiles      64 rows (one warp group's wgmma M): an alignment block of BM = 64 / 128 rows is
+               BM / 64 tiles; a tile whose first row is padding is all padding (an expert's rows
+               come first in its block) and every partition skips it, so a block with <= 64 pairs
+               costs one tile (the Triton kernels' half tiles, here for free)
+    producer   1 warp: for each of this CTA's live tiles in order, for each K step, wait until the
+               ring stage is free, then TMA the act box [64, BK] and the weight box [BN, BK]
                into it (STAGES stages, an mbarrier pair per stage: ready / empty)
-    consumer 0 4 warps (one warp group, the default partition): this CTA's even tiles
-    consumer 1 4 warps (a worker partition): its odd tiles
-Each consumer owns whole tiles: its wgmmas (m64 x BN x k16, BM / 64 of them a K step) read the
-ring stage by stage in the producer's order, then it converts its accumulator and stores the
-rows by pair while the other consumer's tile is in the tensor core.
+    consumer 0 4 warps (one warp group, the default partition): this CTA's even live tiles
+    consumer 1 4 warps (a worker partition): its odd live tiles
+Each consumer owns whole tiles: its wgmmas (m64 x BN x k16, BN <= 256) read the ring stage by
+stage in the producer's order, then it converts its accumulator and stores the rows by pair
+while the other consumer's tile is in the tensor core.
 
 Why an ordering barrier between the consumers (order[0], order[1]): a ring stage's "ready"
 mbarrier is waited by parity, which tells "this fill" from "the previous fill" only while the
@@ -28,9 +32,9 @@ passed every wait of the tile before (it arrives on order[WHICH] after its last 
 before this tile are then done. This is CUTLASS's ping-pong order: the main loops alternate, each
 epilogue overlaps the other consumer's main loop.
 
-Numerics: each output element is the sum of the same products in the same K order (BK steps,
-k16 wgmma steps inside) as moe_gemm_tma._down_rows / _down_flat with the same BM, BN, BK: the
-same bits (the GPU test compares them bit for bit). No half tiles, one split.
+Numerics: each output element is the sum of the same products in the same K order (k16 wgmma steps
+chained on one accumulator) as moe_gemm_tma._down_rows / _down_flat, whatever the tile shapes: the
+same bits (the GPU test compares them bit for bit). One split.
 
 Status: compiled offline for sm_90a only (tests/test_gluon_ws.py; the synchronisation is
 model-checked in tests/test_ws_protocol.py); not yet run on a GPU, so nothing launches them by
@@ -54,9 +58,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 # Registers per thread asked for the worker partitions (setmaxnreg): the second consumer holds a
-# BM x BN f32 accumulator (BM * BN / 128 registers a thread), the producer only scalars.
+# 64 x BN f32 accumulator (BN / 2 registers a thread), the producer only scalars.
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
+# Rows of a consumer tile: one warp group's wgmma M. An alignment block (BM 64 or 128) is BM / 64 tiles.
+TILE_M = gl.constexpr(64)
 # Blocks counted per step when the kernel finds how many blocks are used.
 _COUNT_BLOCK = gl.constexpr(1024)
 
@@ -86,43 +92,73 @@ def _ws_used_blocks(block_expert_ptr, num_m, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, block_expert_ptr, used, H, I, NUM_PROGS, GROUP_M):
-    """Producer: the TMA copies of every K step of this CTA's tiles, in order, into the ring."""
+def _ws_live(sorted_ptr, pid_r, num_pairs):
+    """Whether 64-row tile pid_r holds a pair: an expert's rows come first in its block, so a tile whose
+    first row is padding is all padding (the second half of a block with <= 64 pairs): skipped."""
+    return gl.load(sorted_ptr + pid_r * TILE_M) < num_pairs
+
+
+@gluon.jit
+def _ws_turn(order, i, WHICH: gl.constexpr):
+    """Before consumer WHICH's i-th tile: wait until the other consumer has passed every wait of the tile
+    before (module docstring). Its arrivals on order[1 - WHICH] so far: i + WHICH (consumer 0 goes first)."""
+    if (WHICH == 1) | (i > 0):
+        mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
+
+
+@gluon.jit
+def _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, c, k_tiles):
+    """One tile's K loop from ring position c: wait for the stage, issue its wgmmas (m64 x N x k16 chains,
+    N = b_bufs' rows), keep them in flight and free the stage before. Returns (acc, next position); the
+    last stage is freed by the caller after its final wgmma wait."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = ad.block_type.shape[0]
+    for kt in range(k_tiles):
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        # keep this step's wgmmas in flight; the step before is done, so its stage is free
+        acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
+        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
+        c += 1
+    return acc, c
+
+
+@gluon.jit
+def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, SUB,
+                  NUM_PROGS, GROUP_M):
+    """Producer: the TMA copies of every K step of this CTA's live tiles, in order, into the ring."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd.block_type.shape[0]
     n_n = gl.cdiv(H, BLOCK_N)
     k_tiles = gl.cdiv(I, BLOCK_K)
     c = 0
-    for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
-        pid_m, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
-        e = gl.load(block_expert_ptr + pid_m)
-        p0 = pid_m * BLOCK_M
-        row_w = e * H + pid_n * BLOCK_N
-        for kt in range(k_tiles):
-            s = c % STAGES
-            # a fresh mbarrier counts as having completed the phase before phase 0: the first
-            # pass over the ring waits on parity 1 and goes straight through
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
-            tma.async_copy_global_to_shared(ad, [p0, kt * BLOCK_K], bar, a_bufs.index(s))
-            tma.async_copy_global_to_shared(wd, [row_w, kt * BLOCK_K], bar, b_bufs.index(s))
-            c += 1
+    for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
+        pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
+        if _ws_live(sorted_ptr, pid_r, num_pairs):
+            e = gl.load(block_expert_ptr + pid_r // SUB)
+            row_w = e * H + pid_n * BLOCK_N
+            for kt in range(k_tiles):
+                s = c % STAGES
+                # a fresh mbarrier counts as having completed the phase before phase 0: the first
+                # pass over the ring waits on parity 1 and goes straight through
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
+                tma.async_copy_global_to_shared(ad, [pid_r * TILE_M, kt * BLOCK_K], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(wd, [row_w, kt * BLOCK_K], bar, b_bufs.index(s))
+                c += 1
 
 
 @gluon.jit
-def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn,
+def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, SUB,
                  WHICH: gl.constexpr, NUM_PROGS, GROUP_M):
-    """Consumer WHICH (0 or 1): the wgmmas and the epilogue of this CTA's tiles j with j % 2 == WHICH.
+    """Consumer WHICH (0 or 1): the wgmmas and the epilogue of this CTA's live tiles j with j % 2 == WHICH.
 
     The wgmma is m64 x BN x k16 (BN <= 256, a multiple of 8): one instruction spans the tile's columns.
     Every value here is derived from the buffers' shapes: a constexpr passed into a worker partition
     arrives as a runtime value (Triton 3.6), and a layout needs constexprs.
     """
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
-    BLOCK_M: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
@@ -131,73 +167,66 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, n
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     n_n = gl.cdiv(H, BLOCK_N)
     k_tiles = gl.cdiv(I, BLOCK_K)
-    pid = gl.program_id(0)
     i = 0  # this consumer's tiles so far
-    for tile in range(pid + WHICH * NUM_PROGS, used * n_n, 2 * NUM_PROGS):
-        # this tile's first ring position: the producer walks every tile of the CTA, K steps each
-        c = ((tile - pid) // NUM_PROGS) * k_tiles
-        pid_m, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
-        if (WHICH == 1) | (i > 0):
-            # the other consumer has passed every wait of the tile before this one (module docstring);
-            # its arrivals on order[1 - WHICH] so far: i + WHICH (consumer 0 arrives first)
-            mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
-        acc = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, layout=mma_layout)
-        for kt in range(k_tiles):
-            s = c % STAGES
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            # keep this step's wgmma in flight; the one before it is done, so its stage is free
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
-            c += 1
-        mbarrier.arrive(order.index(WHICH), count=1)
-        i += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
-        offs_p = pid_m * BLOCK_M + gl.arange(0, BLOCK_M, layout=row_layout)
-        pair = gl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
-        offs_h = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
-        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
-        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+    j = 0  # the CTA's live tiles so far (both consumers'): the producer's order
+    for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
+        pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
+        if _ws_live(sorted_ptr, pid_r, num_pairs):
+            if j % 2 == WHICH:
+                _ws_turn(order, i, WHICH)
+                acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
+                acc, c = _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, j * k_tiles, k_tiles)
+                mbarrier.arrive(order.index(WHICH), count=1)
+                i += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((c + a_bufs.type.shape[0] - 1) % a_bufs.type.shape[0]), count=1)
+                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
+                pair = gl.load(sorted_ptr + offs_p)
+                row_ok = pair < num_pairs
+                offs_h = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
+                mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
+                gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            j += 1
 
 
 # The worker partitions take one argument list (Gluon's rule for workers): all of both roles.
 @gluon.jit
-def _ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
-                        H, I, stride_yn, NUM_PROGS, GROUP_M):
-    """Consumer 1 (a worker partition: the odd tiles)."""
-    _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, 1,
+def _ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used,
+                        num_pairs, H, I, stride_yn, SUB, NUM_PROGS, GROUP_M):
+    """Consumer 1 (a worker partition: the odd live tiles)."""
+    _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, SUB, 1,
                  NUM_PROGS, GROUP_M)
 
 
 @gluon.jit
-def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
-                         H, I, stride_yn, NUM_PROGS, GROUP_M):
+def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used,
+                         num_pairs, H, I, stride_yn, SUB, NUM_PROGS, GROUP_M):
     """The producer (a worker partition)."""
-    _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, block_expert_ptr, used, H, I, NUM_PROGS, GROUP_M)
+    _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, SUB,
+                  NUM_PROGS, GROUP_M)
 
 
 @gluon.jit
 def moe_down_ws_kernel(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn,
-                       NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       BLOCK_M: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        num_warps: gl.constexpr):
-    """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm_tma.moe_down_tma_kernel (one split, no half tiles).
+    """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm_tma.moe_down_tma_kernel (one split).
 
-    ad: Gluon TensorDescriptor over act_PI [P, I], block [BM, BK]; wd: over down viewed [E * H, I],
+    ad: Gluon TensorDescriptor over act_PI [P, I], block [64, BK]; wd: over down viewed [E * H, I],
     block [BN, BK] (both NVMMASharedLayout.get_default_for their block, bf16 / fp16); y_ptr: y_NH
-    [N, H] rows by pair (stride_yn). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default
+    [N, H] rows by pair (stride_yn); BLOCK_M the alignment's block (64 or 128: 64-row tiles, BLOCK_M / 64
+    a block, the all-padding ones skipped). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default
     partition); the workers add CONSUMER_WARPS + PRODUCER_WARPS. BN <= 256 (one wgmma's N).
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    BLOCK_M: gl.constexpr = ad.block_type.shape[0]
+    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles: one warp group's wgmma M")
+    gl.static_assert(BLOCK_M % TILE_M == 0, "an alignment block is whole 64-row tiles")
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd.block_type.shape[0]
     gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
-    gl.static_assert(BLOCK_M % 64 == 0, "a warp group's wgmma covers 64 rows")
     gl.static_assert(BLOCK_N <= 256 and BLOCK_N % 8 == 0, "one wgmma spans the tile's columns")
-    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, BLOCK_M, BLOCK_K], ad.layout)
+    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
     b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -208,11 +237,12 @@ def moe_down_ws_kernel(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
-    worker_args = (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
-                   stride_yn, NUM_PROGS, GROUP_M)
+    SUB = BLOCK_M // TILE_M
+    worker_args = (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
+                   H, I, stride_yn, SUB, NUM_PROGS, GROUP_M)
     gl.warp_specialize([
-        (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, 0,
-                        NUM_PROGS, GROUP_M)),
+        (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn,
+                        SUB, 0, NUM_PROGS, GROUP_M)),
         (_ws_down_mma_worker, worker_args),
         (_ws_down_load_worker, worker_args),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
@@ -235,7 +265,6 @@ def moe_down_ws_kernel(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H
 GU_PRODUCER_WARPS = gl.constexpr(4)
 GU_PRODUCER_REGS = gl.constexpr(56)
 GU_CONSUMER_REGS = gl.constexpr(224)
-GU_TILE_M = gl.constexpr(64)
 GU_COPY_DEPTH = gl.constexpr(2)
 
 
@@ -272,31 +301,32 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
     c = 0
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
-        e = gl.load(block_expert_ptr + pid_r // SUB)
-        pair = gl.load(sorted_ptr + pid_r * GU_TILE_M + gl.arange(0, GU_TILE_M, layout=rows))
-        row_ok = pair < num_pairs
-        tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
-        a_ptrs = x_ptr + gl.expand_dims(tok * stride_xt, 1) + gl.expand_dims(offs_k, 0)
-        a_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_k < BLOCK_K, 0)
-        row_g = e * (2 * I) + pid_n * BLOCK_N
-        for kt in range(k_tiles):
-            s = c % STAGES
-            mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-            bar = ready.index(s)
-            mbarrier.expect(bar, 2 * wd.block_type.nbytes)
-            b = b_bufs.index(s)
-            tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, BLOCK_N))
-            tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(BLOCK_N, BLOCK_N))
-            async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
-            async_copy.commit_group()
-            # the row copies of GU_COPY_DEPTH stages ago are complete: fence them into the async proxy
-            # and hand that stage over
-            async_copy.wait_group(GU_COPY_DEPTH)
-            fence_async_shared()
-            gl.thread_barrier()  # every thread's fence before the one arrival (made by one thread)
-            done = c - GU_COPY_DEPTH
-            mbarrier.arrive(ready.index((done + STAGES) % STAGES), count=1, pred=done >= 0)
-            c += 1
+        if _ws_live(sorted_ptr, pid_r, num_pairs):
+            e = gl.load(block_expert_ptr + pid_r // SUB)
+            pair = gl.load(sorted_ptr + pid_r * TILE_M + gl.arange(0, TILE_M, layout=rows))
+            row_ok = pair < num_pairs
+            tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
+            a_ptrs = x_ptr + gl.expand_dims(tok * stride_xt, 1) + gl.expand_dims(offs_k, 0)
+            a_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_k < BLOCK_K, 0)
+            row_g = e * (2 * I) + pid_n * BLOCK_N
+            for kt in range(k_tiles):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 2 * wd.block_type.nbytes)
+                b = b_bufs.index(s)
+                tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, BLOCK_N))
+                tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(BLOCK_N, BLOCK_N))
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
+                async_copy.commit_group()
+                # the row copies of GU_COPY_DEPTH stages ago are complete: fence them into the async proxy
+                # and hand that stage over
+                async_copy.wait_group(GU_COPY_DEPTH)
+                fence_async_shared()
+                gl.thread_barrier()  # every thread's fence before the one arrival (made by one thread)
+                done = c - GU_COPY_DEPTH
+                mbarrier.arrive(ready.index((done + STAGES) % STAGES), count=1, pred=done >= 0)
+                c += 1
     async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
@@ -318,37 +348,31 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, us
                                                          instr_shape=[16, BLOCK_N2, 16])
     n_n = gl.cdiv(I, BLOCK_N)
     k_tiles = gl.cdiv(H, BLOCK_K)
-    pid = gl.program_id(0)
-    i = 0
-    for tile in range(pid + WHICH * NUM_PROGS, used * SUB * n_n, 2 * NUM_PROGS):
-        c = ((tile - pid) // NUM_PROGS) * k_tiles
+    i = 0  # this consumer's tiles so far
+    j = 0  # the CTA's live tiles so far (both consumers'): the producer's order
+    for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
-        if (WHICH == 1) | (i > 0):
-            mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
-        acc = gl.zeros([GU_TILE_M, BLOCK_N2], gl.float32, layout=mma_layout)
-        for kt in range(k_tiles):
-            s = c % STAGES
-            mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-            acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
-            # this step's wgmmas stay in flight; the previous step's are done, so its stage is free
-            acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
-            mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
-            c += 1
-        mbarrier.arrive(order.index(WHICH), count=1)
-        i += 1
-        acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-        mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
-        # columns [0, BN) are gate, [BN, 2BN) up: a thread holds the same columns of both (renaming only)
-        g, u = gl.split(gl.permute(gl.reshape(acc, [GU_TILE_M, 2, BLOCK_N]), [0, 2, 1]))
-        out = _ws_activate(g, u, limit, ACT)
-        row_layout: gl.constexpr = gl.SliceLayout(1, out.type.layout)
-        col_layout: gl.constexpr = gl.SliceLayout(0, out.type.layout)
-        offs_p = pid_r * GU_TILE_M + gl.arange(0, GU_TILE_M, layout=row_layout)
-        row_ok = gl.load(sorted_ptr + offs_p) < num_pairs
-        offs_j = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-        act_ptrs = act_ptr + gl.expand_dims(offs_p.to(gl.int64) * stride_ap, 1) + gl.expand_dims(offs_j, 0)
-        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_j < I, 0)
-        gl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=mask)
+        if _ws_live(sorted_ptr, pid_r, num_pairs):
+            if j % 2 == WHICH:
+                _ws_turn(order, i, WHICH)
+                acc = gl.zeros([TILE_M, BLOCK_N2], gl.float32, layout=mma_layout)
+                acc, c = _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, j * k_tiles, k_tiles)
+                mbarrier.arrive(order.index(WHICH), count=1)
+                i += 1
+                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
+                # columns [0, BN) are gate, [BN, 2BN) up: a thread holds the same columns of both (renaming)
+                g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, BLOCK_N]), [0, 2, 1]))
+                out = _ws_activate(g, u, limit, ACT)
+                row_layout: gl.constexpr = gl.SliceLayout(1, out.type.layout)
+                col_layout: gl.constexpr = gl.SliceLayout(0, out.type.layout)
+                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
+                row_ok = gl.load(sorted_ptr + offs_p) < num_pairs
+                offs_j = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                act_ptrs = act_ptr + gl.expand_dims(offs_p.to(gl.int64) * stride_ap, 1) + gl.expand_dims(offs_j, 0)
+                mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_j < I, 0)
+                gl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=mask)
+            j += 1
 
 
 # The worker partitions take one argument list (all of both roles).
@@ -383,14 +407,14 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, num_
     Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    gl.static_assert(BLOCK_M % GU_TILE_M == 0, "an alignment block is whole 64-row tiles")
+    gl.static_assert(BLOCK_M % TILE_M == 0, "an alignment block is whole 64-row tiles")
     BLOCK_N: gl.constexpr = wd.block_type.shape[0]
     BLOCK_K: gl.constexpr = wd.block_type.shape[1]
     gl.static_assert(BLOCK_N <= 128 and BLOCK_N % 8 == 0, "one wgmma spans the gate and up columns (2BN <= 256)")
     gl.static_assert(BLOCK_K % 8 == 0 and BLOCK_K <= 256, "the row copies are 8-element chunks")
     gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([GU_TILE_M, BLOCK_K], wd.dtype)
-    a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, GU_TILE_M, BLOCK_K], a_layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], wd.dtype)
+    a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, TILE_M, BLOCK_K], a_layout)
     b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], wd.layout)
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -401,7 +425,7 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, num_
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
-    SUB = BLOCK_M // GU_TILE_M
+    SUB = BLOCK_M // TILE_M
     worker_args = (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, block_expert_ptr,
                    used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS, GROUP_M, SUB, ACT)
     gl.warp_specialize([
