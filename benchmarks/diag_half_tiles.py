@@ -21,6 +21,9 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
               moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
     ws_gate_up table with the gate_up by its Gluon kernel (WS_GATE_UP); ws: both
+    other_bk  table with both GEMMs' BK switched 64 <-> 128 (stages kept): whether BK changes the
+              bits of the wgmma kernels (each k16 step joins one accumulator in order, so it should
+              not; if it does not, the batch-invariant mode need not fix BK)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
@@ -83,6 +86,10 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["tiled_down"] = table
     for v in ("ws_down", "ws_gate_up", "ws"):
         out[v] = table
+    other = {64: 128, 128: 64}
+    out["other_bk"] = dataclasses.replace(
+        table, gate_up=dataclasses.replace(table.gate_up, block_k=other.get(table.gate_up.block_k, 64)),
+        down=dataclasses.replace(table.down, block_k=other.get(table.down.block_k, 64)))
     return out
 
 

@@ -51,11 +51,12 @@ step tunebi "${TUNEBI_LIMIT_S:-420}" python3 benchmarks/tune_experts.py --shapes
 [ -f "$OUT/tunebi.log" ] && grep -E "batch-invariant|T= |tuning" "$OUT/tunebi.log" | tail -40
 # wstest / wstime: the warp-specialised Gluon GEMMs (moeflow/kernels/moe_gemm_ws.py, off by default): their
 # bitwise GPU test against the Triton kernels, then their timing in one rotation with the table's Triton
-# kernels at the prefill points (WS_POINTS, WS_ROUTING; diag_half_tiles variants ws_down, ws_gate_up, ws).
+# kernels at the prefill points (WS_POINTS, WS_ROUTING; diag_half_tiles variants ws_down, ws_gate_up, ws; and
+# other_bk: whether BK changes the Triton kernels' bits).
 step wstest "${WSTEST_LIMIT_S:-240}" python3 -m pytest -o addopts= -q -p no:cacheprovider -m gpu -rfE \
   tests/test_experts_triton.py -k ws_kernels
 [ -f "$OUT/wstest.log" ] && tail -12 "$OUT/wstest.log"
-step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants ws_down,ws_gate_up,ws \
+step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants ws_down,ws_gate_up,ws,other_bk \
   --points "${WS_POINTS:-qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:8192,mixtral-8x7b:8192}" \
   --routing "${WS_ROUTING:-uniform}" --rounds 3 --json "$OUT/wstime.json"
 [ -f "$OUT/wstime.log" ] && grep -E "sustained| table | ws" "$OUT/wstime.log"
