@@ -59,5 +59,5 @@ step wstest "${WSTEST_LIMIT_S:-240}" python3 -m pytest -o addopts= -q -p no:cach
 step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants ws_down,ws_gate_up,ws,other_bk \
   --points "${WS_POINTS:-qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:8192,mixtral-8x7b:8192}" \
   --routing "${WS_ROUTING:-uniform}" --rounds 3 --json "$OUT/wstime.json"
-[ -f "$OUT/wstime.log" ] && grep -E "sustained| table | ws" "$OUT/wstime.log"
+[ -f "$OUT/wstime.log" ] && grep -E "sustained| table | ws| other_bk" "$OUT/wstime.log"
 exit 0
