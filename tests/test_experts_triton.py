@@ -1095,6 +1095,13 @@ def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
         TE._launch_gate_up_tma = orig
 
 
+def _replay_with(graph, inputs, new_inputs) -> None:
+    """Copy new_inputs into the captured input tensors, then replay the graph."""
+    for dst, src in zip(inputs, new_inputs):
+        dst.copy_(src)
+    graph.replay()
+
+
 @gpu
 @needs_gpu
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA tiles need Hopper or newer")
@@ -1132,10 +1139,7 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
         # a second instance (its own buffers) gives the tiled down's answer for the new routing
         want2 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
     assert_bitwise_equal(first, want1, what=f"{name}: flat down replayed from a CUDA graph")
-    x.copy_(x2)
-    ids.copy_(ids2)
-    wts.copy_(wts2)
-    g.replay()
+    _replay_with(g, (x, ids, wts), (x2, ids2, wts2))
     assert_bitwise_equal(out, want2, what=f"{name}: flat down replayed from a CUDA graph with new routing")
     assert not torch.equal(first, want2)
 
@@ -1201,10 +1205,7 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
         g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
     g.replay()
     assert_bitwise_equal(out, want1, what=f"{name}: Gluon kernels replayed from a CUDA graph")
-    x.copy_(x2)
-    ids.copy_(ids2)
-    wts.copy_(wts2)
-    g.replay()
+    _replay_with(g, (x, ids, wts), (x2, ids2, wts2))
     assert_bitwise_equal(out, want2, what=f"{name}: Gluon kernels replayed from a CUDA graph with new routing")
 
 

@@ -54,6 +54,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .moe_gemm import _tile_ids
+
 # Warps of each consumer (one warp group: a wgmma's unit) and of the producer.
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
@@ -67,16 +69,8 @@ TILE_M = gl.constexpr(64)
 _COUNT_BLOCK = gl.constexpr(1024)
 
 
-@gluon.jit
-def _ws_tile_ids(tile, num_m, num_n, GROUP_M):
-    """moe_gemm._tile_ids in Gluon: grouped order, GROUP_M row blocks share a weight column tile."""
-    in_group = GROUP_M * num_n
-    group = tile // in_group
-    first_m = group * GROUP_M
-    size_m = gl.minimum(num_m - first_m, GROUP_M)
-    pid_m = first_m + (tile % in_group) % size_m
-    pid_n = (tile % in_group) // size_m
-    return pid_m, pid_n
+# moe_gemm._tile_ids (grouped order: GROUP_M row blocks share a weight column tile), compiled as Gluon.
+_ws_tile_ids = gluon.jit(_tile_ids.fn)
 
 
 @gluon.jit
@@ -99,19 +93,23 @@ def _ws_live(sorted_ptr, pid_r, num_pairs):
 
 
 @gluon.jit
-def _ws_turn(order, i, WHICH: gl.constexpr):
-    """Before consumer WHICH's i-th tile: wait until the other consumer has passed every wait of the tile
-    before (module docstring). Its arrivals on order[1 - WHICH] so far: i + WHICH (consumer 0 goes first)."""
+def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: gl.constexpr):
+    """Consumer WHICH's i-th tile, the CTA's j-th live tile: returns its f32 accumulator [64, N] (N = the
+    stage's weight rows; wgmma m64 x N x k16 chains).
+
+    Its turn first: wait until the other consumer has passed every wait of the tile before (module
+    docstring; the other's arrivals on order[1 - WHICH] so far: i + WHICH, consumer 0 going first). Then
+    the K loop from ring position j * k_tiles: wait for the stage, issue its wgmmas, keep them in flight
+    and free the stage before. Then hand the turn over, wait for the last wgmmas, free the last stage.
+    """
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    N: gl.constexpr = b_bufs.type.shape[1]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, N, 16])
     if (WHICH == 1) | (i > 0):
         mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
-
-
-@gluon.jit
-def _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, c, k_tiles):
-    """One tile's K loop from ring position c: wait for the stage, issue its wgmmas (m64 x N x k16 chains,
-    N = b_bufs' rows), keep them in flight and free the stage before. Returns (acc, next position); the
-    last stage is freed by the caller after its final wgmma wait."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    acc = gl.zeros([TILE_M, N], gl.float32, layout=mma_layout)
+    c = j * k_tiles
     for kt in range(k_tiles):
         s = c % STAGES
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
@@ -120,7 +118,10 @@ def _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, c, k_tiles):
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
         c += 1
-    return acc, c
+    mbarrier.arrive(order.index(WHICH), count=1)
+    acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
+    mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
+    return acc
 
 
 @gluon.jit
@@ -161,10 +162,6 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, n
     """
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 16])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
     n_n = gl.cdiv(H, BLOCK_N)
     k_tiles = gl.cdiv(I, BLOCK_K)
     i = 0  # this consumer's tiles so far
@@ -173,13 +170,10 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, n
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r, num_pairs):
             if j % 2 == WHICH:
-                _ws_turn(order, i, WHICH)
-                acc = gl.zeros([TILE_M, BLOCK_N], gl.float32, layout=mma_layout)
-                acc, c = _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, j * k_tiles, k_tiles)
-                mbarrier.arrive(order.index(WHICH), count=1)
+                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH)
                 i += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((c + a_bufs.type.shape[0] - 1) % a_bufs.type.shape[0]), count=1)
+                row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
+                col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
                 offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
                 pair = gl.load(sorted_ptr + offs_p)
                 row_ok = pair < num_pairs
@@ -340,12 +334,8 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, us
                     stride_ap, limit, WHICH: gl.constexpr, NUM_PROGS, GROUP_M, SUB, ACT: gl.constexpr):
     """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its 64-row tiles (gate columns, then up
     columns), then act(g, u) stored by row."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N2: gl.constexpr = b_bufs.type.shape[1]
-    BLOCK_N: gl.constexpr = BLOCK_N2 // 2
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N2, 16])
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
     n_n = gl.cdiv(I, BLOCK_N)
     k_tiles = gl.cdiv(H, BLOCK_K)
     i = 0  # this consumer's tiles so far
@@ -354,13 +344,8 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, us
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r, num_pairs):
             if j % 2 == WHICH:
-                _ws_turn(order, i, WHICH)
-                acc = gl.zeros([TILE_M, BLOCK_N2], gl.float32, layout=mma_layout)
-                acc, c = _ws_mainloop(a_bufs, b_bufs, ready, empty, acc, j * k_tiles, k_tiles)
-                mbarrier.arrive(order.index(WHICH), count=1)
+                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH)
                 i += 1
-                acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
-                mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
                 # columns [0, BN) are gate, [BN, 2BN) up: a thread holds the same columns of both (renaming)
                 g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, BLOCK_N]), [0, 2, 1]))
                 out = _ws_activate(g, u, limit, ACT)
