@@ -57,7 +57,7 @@ step wstest "${WSTEST_LIMIT_S:-240}" python3 -m pytest -o addopts= -q -p no:cach
   tests/test_experts_triton.py -k ws_kernels
 [ -f "$OUT/wstest.log" ] && tail -12 "$OUT/wstest.log"
 step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants ws_down,ws_gate_up,ws,other_bk \
-  --points "${WS_POINTS:-qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:8192,mixtral-8x7b:8192}" \
+  --points "${WS_POINTS:-qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:8192,gpt-oss-120b:8192,mixtral-8x7b:8192}" \
   --routing "${WS_ROUTING:-uniform}" --rounds 3 --json "$OUT/wstime.json"
 [ -f "$OUT/wstime.log" ] && grep -E "sustained| table | ws| other_bk" "$OUT/wstime.log"
 exit 0

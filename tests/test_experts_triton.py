@@ -1152,23 +1152,29 @@ def _gluon_hopper() -> bool:
     return ws_device_ok(torch.empty(1, device="cuda"))
 
 
+# (name, E, H, I, K, activations, layout, interleaved, bias): the TMA shapes, and gpt-oss (its Triton
+# kernels are the pointer ones; H = I = 2880 leaves a partial last column tile)
+WS_SHAPES = [(*s, ("silu", "swiglu_clamp"), "linear", False, False) for s in TMA_SHAPES] + [
+    ("gptoss", 8, 2880, 2880, 4, ("gptoss",), "matmul", True, True)]
+
+
 @gpu
 @needs_gpu
 @pytest.mark.skipif(not _gluon_hopper(), reason="the Gluon kernels need Hopper or newer and triton's Gluon")
-@pytest.mark.parametrize("shape", TMA_SHAPES, ids=[s[0] for s in TMA_SHAPES])
+@pytest.mark.parametrize("shape", WS_SHAPES, ids=[s[0] for s in WS_SHAPES])
 def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
     """The warp-specialised Gluon gate_up and down (experts.triton.WS_GATE_UP / WS_DOWN; moe_gemm_ws.py)
-    give the Triton TMA kernels' bits, alone and together: BM 128 and 64 tiles (the BM 64 plan's BK 128
+    give the Triton kernels' bits, alone and together: BM 128 and 64 tiles (the BM 64 plan's BK 128
     gate_up runs BK 64 in Gluon: BK changes no bits), T = 1 / 300 (skewed: empty and half-empty
-    blocks) / 2500, silu and swiglu_clamp; they are taken (launch counts); then a CUDA graph captured
-    with both on replays with new routing."""
+    blocks) / 2500, each shape's activations (gpt-oss: matmul layout, interleaved, biases); they are taken
+    (launch counts); then a CUDA graph captured with both on replays with new routing."""
     import contextlib
 
     import moeflow.experts.triton as TE
     import moeflow.experts.triton_ws as TW
     from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
 
-    name, E, H, I, K = shape
+    name, E, H, I, K, acts, layout, interleaved, bias = shape
     t128 = MoETileConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3),
                          down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3))
     t64 = MoETileConfig(block_m=64, gate_up=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=3),
@@ -1182,8 +1188,9 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
                 stack.enter_context(mock.patch.object(TE, f, v))
             yield
 
-    for act in ("silu", "swiglu_clamp"):
-        cfg, w = make_case(E, H, I, K, act, dtype=torch.bfloat16, device="cuda")
+    for act in acts:
+        cfg, w = make_case(E, H, I, K, act, layout=layout, interleaved=interleaved, bias=bias, dtype=torch.bfloat16,
+                           device="cuda")
         for tiles in (t128, t64):
             impl = TE.TritonExperts(tile_config=tiles, tma=True)
             for T in (1, 300, 2500):

@@ -43,9 +43,13 @@ def test_tiles_follow_the_plan_within_the_accumulator_budget():
     assert ws_down_tiles(128, 256, 64, 2048, 768, bf16) == (128, 256, 64, 5)
     assert ws_down_tiles(64, 256, 64, 7168, 2048, bf16) == (64, 256, 64, 5)
     assert ws_down_tiles(128, 64, 128, 4096, 14336, torch.float16) == (128, 64, 128, 6)  # 32 KB a stage
-    # refused: decode tiles, BN not dividing H, BK not dividing I, f32 (no bf16 wgmma)
+    # gpt-oss (matmul, H 2880): the plan's BN 128, the last of 23 tiles running past H (TMA fills zeros)
+    assert ws_down_tiles(128, 128, 64, 2880, 2880, bf16, "matmul") == (128, 128, 64, 6)
+    # linear, the same H: tiles must divide it (the view runs on into the next expert): 64 does
+    assert ws_down_tiles(128, 128, 64, 2880, 2880, bf16, "linear") == (128, 64, 64, 6)
+    # refused: decode tiles, no column tile dividing H, BK not dividing I, f32 (no bf16 wgmma)
     assert ws_down_tiles(16, 64, 256, 2048, 768, bf16) is None
-    assert ws_down_tiles(128, 128, 64, 2880, 768, bf16) is None
+    assert ws_down_tiles(128, 128, 64, 2888, 768, bf16) is None
     assert ws_down_tiles(128, 128, 128, 2048, 704, bf16) is None
     assert ws_down_tiles(128, 128, 64, 2048, 768, torch.float32) is None
 
@@ -59,10 +63,13 @@ def test_gate_up_tiles():
     # BK 128 would leave 2 stages: BK 64 instead (the same bits); BN 256 narrowed to 128
     assert ws_gate_up_tiles(128, 256, 128, 7168, 2048, bf16, "silu") == (128, 128, 64, 5)
     assert ws_gate_up_tiles(64, 64, 128, 4096, 14336, bf16, "gelu_tanh") == (64, 64, 128, 4)  # 48 KB a stage
-    # refused: gpt-oss's activation, decode tiles, BN not dividing I
-    assert ws_gate_up_tiles(128, 128, 64, 2880, 2880, bf16, "gptoss") is None
+    # gpt-oss: matmul layout, interleaved gate / up; BN 128 (one m64 x 256 wgmma chain), 23 column tiles
+    assert ws_gate_up_tiles(128, 128, 64, 2880, 2880, bf16, "gptoss", "matmul", True) == (128, 128, 64, 5)
+    # refused: matmul without the interleave, linear with it, decode tiles, no column tile dividing I
+    assert ws_gate_up_tiles(128, 128, 64, 2880, 2880, bf16, "gptoss", "matmul", False) is None
+    assert ws_gate_up_tiles(128, 128, 64, 2048, 768, bf16, "silu", "linear", True) is None
     assert ws_gate_up_tiles(16, 64, 128, 2048, 768, bf16, "silu") is None
-    assert ws_gate_up_tiles(128, 128, 64, 2048, 704, bf16, "silu") is None
+    assert ws_gate_up_tiles(128, 128, 64, 2048, 708, bf16, "silu") is None
 
 
 def test_off_by_default_and_never_on_cpu_tensors():
@@ -76,22 +83,23 @@ def test_off_by_default_and_never_on_cpu_tensors():
     assert ws_device_ok(torch.empty(4, 4)) is False  # the interpreter never gets a Gluon launch
 
 
-def _compile(bm: int, bn: int, bk: int, stages: int):
+def _compile(bm: int, bn: int, bk: int, stages: int, matmul: bool):
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type
     from moeflow.kernels.moe_gemm_ws import moe_down_ws_kernel
 
-    types = dict(ad=gluon_desc_type("bf16", [64, bk]), wd=gluon_desc_type("bf16", [bn, bk]), y_ptr="*bf16",
-                 sorted_ptr="*i32", block_expert_ptr="*i32")
-    consts = dict(BLOCK_M=bm, NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
+    types = dict(ad=gluon_desc_type("bf16", [64, bk]), wd=gluon_desc_type("bf16", [bk, bn] if matmul else [bn, bk]),
+                 y_ptr="*bf16", b_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
+    consts = dict(BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
     return compile_kernel(moe_down_ws_kernel, types, consts, num_warps=4, div16=("H", "I", "stride_yn"))
 
 
 @needs_gluon
-@pytest.mark.parametrize("bm,bn,bk,stages", [(128, 256, 64, 5), (64, 128, 64, 6)])
-def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages):
+@pytest.mark.parametrize("bm,bn,bk,stages,matmul", [(128, 256, 64, 5, False), (64, 128, 64, 6, False),
+                                                    (128, 128, 64, 6, True)])
+def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages, matmul):
     from benchmarks.sass_mix import gmma_loop, opcode_mix, sass_text
 
-    k = _compile(bm, bn, bk, stages)
+    k = _compile(bm, bn, bk, stages, matmul)
     sass = sass_text(k)
     ptx = k.asm["ptx"]
     # 4 consumer warps + 4 consumer warps + 1 producer warp, padded to whole warp groups
@@ -109,19 +117,24 @@ def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, sta
     assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1, loop  # the ring stage's "ready" wait
     assert loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop  # the previous stage's release
     assert sum(loop.values()) < 100, loop
-    # the producer's two TMA copies a stage
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
+    # the producer's TMA copies a stage: the act box, and the weight box in copies of at most 128 bytes of
+    # inner dimension (the 128-byte swizzle's width: the matmul box [BK, BN] has 2 * BN bytes a row)
+    copies = ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes")
+    assert copies == 1 + (2 * bn // 128 if matmul else 1), copies
 
 
 @needs_gluon
-@pytest.mark.parametrize("bm,bn,bk,stages,act", [(128, 128, 64, 5, 0), (64, 64, 128, 4, 1)])
-def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act):
+@pytest.mark.parametrize("bm,bn,bk,stages,act,matmul", [(128, 128, 64, 5, 0, False), (64, 64, 128, 4, 1, False),
+                                                        (128, 128, 64, 5, 3, True)])
+def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, matmul):
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
     from moeflow.kernels.moe_gemm_ws import moe_gate_up_ws_kernel
 
-    types = dict(x_ptr="*bf16", wd=gluon_desc_type("bf16", [bn, bk]), act_ptr="*bf16", sorted_ptr="*i32",
-                 block_expert_ptr="*i32", limit="fp32")
-    consts = dict(ACT=act, BLOCK_M=bm, NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
+    box = [bk, 2 * bn] if matmul else [bn, bk]  # gpt-oss: one interleaved box; linear: gate and up boxes
+    types = dict(x_ptr="*bf16", wd=gluon_desc_type("bf16", box), act_ptr="*bf16", b_ptr="*bf16", sorted_ptr="*i32",
+                 block_expert_ptr="*i32", limit="fp32", alpha="fp32")
+    consts = dict(ACT=act, BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages,
+                  num_warps=4)
     k = compile_kernel(moe_gate_up_ws_kernel, types, consts, num_warps=4,
                        div16=("H", "I", "stride_xt", "stride_ap"))
     sass, ptx = sass_text(k), k.asm["ptx"]
@@ -145,4 +158,7 @@ def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act):
     i = ptx.index("cp.async.wait_group \t2;")
     tail = ptx[i:ptx.index("mbarrier.arrive.shared::cta.b64", i)]
     assert tail.index("fence.proxy.async.shared::cta") < tail.rindex("bar.sync"), tail
-    assert ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes") == 2
+    # the weight copies: a gate and an up box (linear); gpt-oss's one [BK, 2BN] box goes as 128-byte-wide
+    # sub-boxes, which Triton spreads over the producer's 4 warps (one copy instruction, a warp's offset each)
+    tma_copies = ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes")
+    assert tma_copies == (1 if matmul else 2), tma_copies

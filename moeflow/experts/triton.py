@@ -124,15 +124,15 @@ FLAT_DOWN: bool | None = None
 FLAT_DOWN_AUTO_K_STEPS = 16
 FLAT_GATE_UP = False
 
-# The bf16 / fp16 TMA down GEMM as a warp-specialised ping-pong kernel written in Gluon (moeflow/kernels/
-# moe_gemm_ws.py: a producer warp feeds a TMA ring, two consumer warp groups take alternate tiles so one
-# tile's epilogue runs under the other's wgmmas; host side moeflow/experts/triton_ws.py). The same bits
-# as the Triton down kernels. Off: it compiles for sm_90a (tests/test_gluon_ws.py) but has not run on a
-# GPU yet; a module flag so the diagnostics and the GPU tests can A/B it.
+# The bf16 / fp16 down GEMM (one split) as a warp-specialised ping-pong kernel written in Gluon
+# (moeflow/kernels/moe_gemm_ws.py: a producer warp feeds a TMA ring, two consumer warp groups take
+# alternate 64-row tiles so one tile's epilogue runs under the other's wgmmas; host side
+# moeflow/experts/triton_ws.py), in place of the Triton TMA kernel (linear layout) or the pointer kernel
+# (gpt-oss's matmul layout with biases). The same bits. Off: it compiles for sm_90a (tests/test_gluon_ws.py)
+# but has not run on a GPU yet; a module flag so the diagnostics and the GPU tests can A/B it.
 WS_DOWN = False
-# The same schedule for the bf16 / fp16 TMA gate_up (moe_gemm_ws.moe_gate_up_ws_kernel: a producer warp
-# group gathers the activation rows by cp.async beside the weight boxes' TMA; 64-row consumer tiles). Off
-# for the same reason.
+# The same schedule for the gate_up (moe_gemm_ws.moe_gate_up_ws_kernel: a producer warp group gathers the
+# activation rows by cp.async beside the weight boxes' TMA). Off for the same reason.
 WS_GATE_UP = False
 
 
@@ -454,6 +454,8 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
     from ..kernels.moe_gemm import moe_gate_up_kernel
 
     t = plan.cfg.gate_up
+    if WS_GATE_UP and plan.tma and _launch_gate_up_ws(plan, x_rows, top_k_div, w, config):
+        return
     if (plan.tma and w.layout == "linear" and not w.interleaved
             and _tma_weights_ok(t, w.gate_up, plan.I, plan.H, w.gate_up_bias)
             and _launch_tma("gate_up", (plan.cfg.block_m, plan.cfg.half_tail, t), lambda: _launch_gate_up_tma(
@@ -481,6 +483,8 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     from ..kernels.moe_gemm import moe_down_kernel
 
     t = plan.cfg.down
+    if WS_DOWN and plan.tma and t.split_k == 1 and _launch_down_ws(plan, w):
+        return
     if (plan.tma and w.layout == "linear" and t.split_k == 1
             and _tma_weights_ok(t, w.down, plan.H, plan.I, w.down_bias)
             and _launch_tma("down", (plan.cfg.block_m, plan.cfg.half_tail, t), lambda: _launch_down_tma(plan, w))):
@@ -541,8 +545,6 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
 
     t = plan.cfg.gate_up
     H, I = plan.H, plan.I
-    if WS_GATE_UP and _launch_gate_up_ws(plan, x_rows, top_k_div, w, config):
-        return
     fused = fused_gate_up_ok(I, t.block_n)
     wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
@@ -566,8 +568,6 @@ def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:
 
     t = plan.cfg.down
     E, H, I, BM = w.down.shape[0], plan.H, plan.I, plan.cfg.block_m
-    if WS_DOWN and _launch_down_ws(plan, w):
-        return
     ad = TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM, t.block_k])
     # the half tiles' activation rows (HALF_TAIL): the same buffer in [BM/2, BK] boxes
     ad_half = (TensorDescriptor(plan.act_PI, shape=[plan.P, I], strides=[I, 1], block_shape=[BM // 2, t.block_k])
@@ -592,29 +592,32 @@ def _launch_gate_up_ws(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Exp
 
     t = plan.cfg.gate_up
     tiles = ws_gate_up_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.gate_up.dtype,
-                             config.activation)
-    if tiles is None or not ws_device_ok(plan.act_PI) or not ws_rows_ok(x_rows, w.gate_up.dtype):
+                             config.activation, w.layout, bool(w.interleaved))
+    if (tiles is None or not ws_device_ok(plan.act_PI) or not ws_rows_ok(x_rows, w.gate_up.dtype)
+            or not w.gate_up.is_contiguous() or (w.gate_up_bias is not None and not w.interleaved)):
         return False
-    dev = plan.act_PI.device
-    sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
-    launch_gate_up_ws(x_rows, w.gate_up, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N, top_k_div,
-                      plan.max_blocks, tiles, config.activation, float(config.swiglu_limit or 0.0), t.group_m, sms)
+    launch_gate_up_ws(x_rows, w.gate_up, w.gate_up_bias, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N,
+                      top_k_div, plan.max_blocks, tiles, w.layout, config.activation,
+                      float(config.swiglu_limit or 0.0), float(config.gptoss_alpha), t.group_m,
+                      _sm_count(plan.act_PI.device))
     return True
 
 
 def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
-    """The down GEMM by the warp-specialised Gluon kernel (WS_DOWN); False where it does not serve."""
+    """The down GEMM by the warp-specialised Gluon kernel (WS_DOWN, one split); False where it does not serve."""
     from .triton_ws import launch_down_ws, ws_device_ok, ws_down_tiles
 
     t = plan.cfg.down
-    tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype)
-    if tiles is None or not ws_device_ok(plan.act_PI):
+    tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype, w.layout)
+    if tiles is None or not ws_device_ok(plan.act_PI) or not w.down.is_contiguous():
         return False
-    dev = plan.act_PI.device
-    sms = _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
-    launch_down_ws(plan.act_PI, w.down, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks,
-                   tiles, t.group_m, sms)
+    launch_down_ws(plan.act_PI, w.down, w.down_bias, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N,
+                   plan.max_blocks, tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device))
     return True
+
+
+def _sm_count(dev: torch.device) -> int:
+    return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
 
 
 def _launch_combine(plan: _Plan, wts_N: torch.Tensor | None, ids_N: torch.Tensor) -> None:

@@ -7,6 +7,11 @@ Triton 3.6's automatic warp specialisation crashed or gained <= 2% (sixth sessio
 explicit-layout dialect Triton ships (triton.experimental.gluon), lets a kernel say which warps
 do what: this is CUTLASS's "ping-pong" schedule written in it.
 
+Layouts: the weights linear ([E, N, K], K contiguous: mixtral, qwen3, deepseek) or matmul ([E, K, N],
+N contiguous) with gate/up interleaved column by column and biases (gpt-oss). The weight box is
+[BN, BK] (linear; the wgmma reads it transposed) or [BK, BN] (matmul); the Triton TMA kernels serve
+the linear layout only, so for gpt-oss these replace pointer kernels.
+
 Schedule of the down GEMM (gate_up: the same with the differences listed at its kernels below; one
 CTA per SM, persistent over the (64-row tile, column tile) work of the used blocks in
 moe_gemm._tile_ids's grouped order, as moe_gemm_tma._down_flat walks blocks):
@@ -33,8 +38,13 @@ before this tile are then done. This is CUTLASS's ping-pong order: the main loop
 epilogue overlaps the other consumer's main loop.
 
 Numerics: each output element is the sum of the same products in the same K order (k16 wgmma steps
-chained on one accumulator) as moe_gemm_tma._down_rows / _down_flat, whatever the tile shapes: the
-same bits (the GPU test compares them bit for bit). One split.
+chained on one accumulator), then the same bias addition and activation, as the Triton kernels
+(moe_gemm_tma._down_rows / _down_flat, moe_gemm.gate_up_rows / _down_block), whatever the tile
+shapes: the same bits (the GPU test compares them bit for bit). One split.
+
+Gluon detail: a constexpr reaches a worker partition as a constexpr only when written inline in its
+argument tuple (a tuple bound to a name first turns it into a runtime value): the calls below spell
+their arguments out.
 
 Status: compiled offline for sm_90a only (tests/test_gluon_ws.py; the synchronisation is
 model-checked in tests/test_ws_protocol.py); not yet run on a GPU, so nothing launches them by
@@ -56,11 +66,11 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 
 from .moe_gemm import _tile_ids
 
-# Warps of each consumer (one warp group: a wgmma's unit) and of the producer.
+# Warps of each consumer (one warp group: a wgmma's unit) and of the down's producer.
 CONSUMER_WARPS = gl.constexpr(4)
 PRODUCER_WARPS = gl.constexpr(1)
 # Registers per thread asked for the worker partitions (setmaxnreg): the second consumer holds a
-# 64 x BN f32 accumulator (BN / 2 registers a thread), the producer only scalars.
+# 64 x N f32 accumulator (N / 2 registers a thread), the producer only scalars.
 CONSUMER_REGS = gl.constexpr(232)
 PRODUCER_REGS = gl.constexpr(40)
 # Rows of a consumer tile: one warp group's wgmma M. An alignment block (BM 64 or 128) is BM / 64 tiles.
@@ -93,9 +103,10 @@ def _ws_live(sorted_ptr, pid_r, num_pairs):
 
 
 @gluon.jit
-def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: gl.constexpr):
-    """Consumer WHICH's i-th tile, the CTA's j-th live tile: returns its f32 accumulator [64, N] (N = the
-    stage's weight rows; wgmma m64 x N x k16 chains).
+def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: gl.constexpr,
+                     B_MN: gl.constexpr):
+    """Consumer WHICH's i-th tile, the CTA's j-th live tile: returns its f32 accumulator [64, N] (wgmma
+    m64 x N x k16 chains; N the stage's weight columns: b_bufs [S, N, BK], or [S, BK, N] when B_MN).
 
     Its turn first: wait until the other consumer has passed every wait of the tile before (module
     docstring; the other's arrivals on order[1 - WHICH] so far: i + WHICH, consumer 0 going first). Then
@@ -103,7 +114,7 @@ def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: 
     and free the stage before. Then hand the turn over, wait for the last wgmmas, free the last stage.
     """
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    N: gl.constexpr = b_bufs.type.shape[1]
+    N: gl.constexpr = b_bufs.type.shape[2] if B_MN else b_bufs.type.shape[1]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, N, 16])
     if (WHICH == 1) | (i > 0):
@@ -113,7 +124,11 @@ def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: 
     for kt in range(k_tiles):
         s = c % STAGES
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        acc = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), acc, is_async=True)
+        if B_MN:
+            b = b_bufs.index(s)
+        else:
+            b = b_bufs.index(s).permute((1, 0))
+        acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
         # keep this step's wgmmas in flight; the step before is done, so its stage is free
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
@@ -125,12 +140,27 @@ def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: 
 
 
 @gluon.jit
-def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, SUB,
-                  NUM_PROGS, GROUP_M):
+def _ws_init_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
+    """(ready, empty, order): the ring's mbarrier pair per stage and the consumers' two ordering barriers."""
+    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(ready.index(i), count=READY_COUNT)
+        mbarrier.init(empty.index(i), count=1)
+    for i in gl.static_range(2):
+        mbarrier.init(order.index(i), count=1)
+    return ready, empty, order
+
+
+# ---------------------------------------------------------------------------------------------- down
+@gluon.jit
+def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
+                  SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, MATMUL: gl.constexpr):
     """Producer: the TMA copies of every K step of this CTA's live tiles, in order, into the ring."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
-    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    BLOCK_N: gl.constexpr = wd.block_type.shape[1] if MATMUL else wd.block_type.shape[0]
     n_n = gl.cdiv(H, BLOCK_N)
     k_tiles = gl.cdiv(I, BLOCK_K)
     c = 0
@@ -138,7 +168,6 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r, num_pairs):
             e = gl.load(block_expert_ptr + pid_r // SUB)
-            row_w = e * H + pid_n * BLOCK_N
             for kt in range(k_tiles):
                 s = c % STAGES
                 # a fresh mbarrier counts as having completed the phase before phase 0: the first
@@ -147,21 +176,21 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
                 bar = ready.index(s)
                 mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
                 tma.async_copy_global_to_shared(ad, [pid_r * TILE_M, kt * BLOCK_K], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(wd, [row_w, kt * BLOCK_K], bar, b_bufs.index(s))
+                if MATMUL:  # down [E, I, H] viewed [E * I, H]
+                    tma.async_copy_global_to_shared(wd, [e * I + kt * BLOCK_K, pid_n * BLOCK_N], bar, b_bufs.index(s))
+                else:  # down [E, H, I] viewed [E * H, I]
+                    tma.async_copy_global_to_shared(wd, [e * H + pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
                 c += 1
 
 
 @gluon.jit
-def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, SUB,
-                 WHICH: gl.constexpr, NUM_PROGS, GROUP_M):
-    """Consumer WHICH (0 or 1): the wgmmas and the epilogue of this CTA's live tiles j with j % 2 == WHICH.
-
-    The wgmma is m64 x BN x k16 (BN <= 256, a multiple of 8): one instruction spans the tile's columns.
-    Every value here is derived from the buffers' shapes: a constexpr passed into a worker partition
-    arrives as a runtime value (Triton 3.6), and a layout needs constexprs.
-    """
+def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
+                 H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+                 WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
+    """Consumer WHICH (0 or 1): the wgmmas and the epilogue (bias, then the rows stored by pair) of this
+    CTA's live tiles j with j % 2 == WHICH."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if MATMUL else b_bufs.type.shape[1]
     n_n = gl.cdiv(H, BLOCK_N)
     k_tiles = gl.cdiv(I, BLOCK_K)
     i = 0  # this consumer's tiles so far
@@ -170,92 +199,101 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, n
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r, num_pairs):
             if j % 2 == WHICH:
-                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH)
+                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL)
                 i += 1
                 row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
                 col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
+                offs_h = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
+                if HAS_BIAS:  # moe_gemm._down_block: the bias joins the f32 sum before the rounding
+                    e = gl.load(block_expert_ptr + pid_r // SUB).to(gl.int64)
+                    bias = gl.load(b_ptr + e * stride_be + offs_h, mask=offs_h < H, other=0.0)
+                    acc += gl.expand_dims(bias.to(gl.float32), 0)
                 offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
                 pair = gl.load(sorted_ptr + offs_p)
                 row_ok = pair < num_pairs
-                offs_h = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
                 y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
                 mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
                 gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             j += 1
 
 
-# The worker partitions take one argument list (Gluon's rule for workers): all of both roles.
+# Worker partitions: one argument list for every worker (Gluon's rule), so each takes all of both roles'.
 @gluon.jit
-def _ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used,
-                        num_pairs, H, I, stride_yn, SUB, NUM_PROGS, GROUP_M):
+def _ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr,
+                        used, num_pairs, H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
+                        GROUP_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Consumer 1 (a worker partition: the odd live tiles)."""
-    _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn, SUB, 1,
-                 NUM_PROGS, GROUP_M)
+    _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
+                 H, I, stride_yn, stride_be, SUB, NUM_PROGS, GROUP_M, 1, MATMUL, HAS_BIAS)
 
 
 @gluon.jit
-def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used,
-                         num_pairs, H, I, stride_yn, SUB, NUM_PROGS, GROUP_M):
+def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr,
+                         used, num_pairs, H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
+                         GROUP_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
     """The producer (a worker partition)."""
     _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, SUB,
-                  NUM_PROGS, GROUP_M)
+                  NUM_PROGS, GROUP_M, MATMUL)
 
 
 @gluon.jit
-def moe_down_ws_kernel(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn,
-                       BLOCK_M: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+def moe_down_ws_kernel(ad, wd, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn,
+                       stride_be, BLOCK_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                       NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
                        num_warps: gl.constexpr):
-    """y_NH[pair] = act_PI[p] @ W_d[e(p)] like moe_gemm_tma.moe_down_tma_kernel (one split).
+    """y_NH[pair] = act_PI[p] @ W_d[e(p)] (+ b_d[e(p)]) like moe_gemm_tma.moe_down_tma_kernel / moe_gemm's
+    moe_down_kernel with one split.
 
     ad: Gluon TensorDescriptor over act_PI [P, I], block [64, BK]; wd: over down viewed [E * H, I],
-    block [BN, BK] (both NVMMASharedLayout.get_default_for their block, bf16 / fp16); y_ptr: y_NH
-    [N, H] rows by pair (stride_yn); BLOCK_M the alignment's block (64 or 128: 64-row tiles, BLOCK_M / 64
-    a block, the all-padding ones skipped). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default
-    partition); the workers add CONSUMER_WARPS + PRODUCER_WARPS. BN <= 256 (one wgmma's N).
+    block [BN, BK] (linear), or viewed [E * I, H], block [BK, BN] (MATMUL) (NVMMASharedLayout.get_default_for
+    their block, bf16 / fp16); y_ptr: y_NH [N, H] rows by pair (stride_yn); b_ptr: b_d [E, H] (HAS_BIAS;
+    else any pointer). BLOCK_M the alignment's block (64 or 128: 64-row tiles, BLOCK_M / 64 a block, the
+    all-padding ones skipped). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition);
+    the workers add CONSUMER_WARPS + PRODUCER_WARPS. BN <= 256 (one wgmma's N), BK | I; BN | H in the
+    linear layout (MATMUL: the last column tile may run past H: TMA fills zeros, the store is masked).
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
     gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles: one warp group's wgmma M")
     gl.static_assert(BLOCK_M % TILE_M == 0, "an alignment block is whole 64-row tiles")
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
-    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
-    gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
+    BLOCK_N: gl.constexpr = wd.block_type.shape[1] if MATMUL else wd.block_type.shape[0]
+    W_K: gl.constexpr = wd.block_type.shape[0] if MATMUL else wd.block_type.shape[1]
+    gl.static_assert(W_K == BLOCK_K, "act and weight boxes share BK")
     gl.static_assert(BLOCK_N <= 256 and BLOCK_N % 8 == 0, "one wgmma spans the tile's columns")
     a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
-    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(order.index(i), count=1)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES] + wd.block_type.shape, wd.layout)
+    ready, empty, order = _ws_init_barriers(STAGES, 1)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
-    SUB = BLOCK_M // TILE_M
-    worker_args = (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
-                   H, I, stride_yn, SUB, NUM_PROGS, GROUP_M)
     gl.warp_specialize([
-        (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, sorted_ptr, used, num_pairs, H, I, stride_yn,
-                        SUB, 0, NUM_PROGS, GROUP_M)),
-        (_ws_down_mma_worker, worker_args),
-        (_ws_down_load_worker, worker_args),
+        (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
+                        num_pairs, H, I, stride_yn, stride_be, BLOCK_M // TILE_M, NUM_PROGS, GROUP_M, 0, MATMUL,
+                        HAS_BIAS)),
+        (_ws_down_mma_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr,
+                               block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // TILE_M,
+                               NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS)),
+        (_ws_down_load_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr,
+                                block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // TILE_M,
+                                NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
-# ------------------------------------------------------------------------------------------ gate_up
+# ------------------------------------------------------------------------------------------- gate_up
 # The gate_up GEMM in the same schedule (moe_gate_up_ws_kernel). Its activation rows are gathered
 # by token (x[pair // top_k]): Hopper's TMA has no gather, so the producer is a whole warp group
-# issuing cp.async copies of the rows (GU_PRODUCER_WARPS) next to the TMA copies of the gate and up
-# weight boxes. cp.async writes shared memory through the generic proxy and wgmma reads it through
-# the async proxy, so the producer hands a stage over only once its own copies of it are complete
-# (cp.async.wait_group), after a proxy fence: it keeps GU_COPY_DEPTH stages of row copies in flight
-# and arrives on a stage's "ready" barrier (count 2: this arrival and the weight copies' expect)
-# GU_COPY_DEPTH stages later. A consumer tile is 64 rows (one warp group's wgmma M): a BM-row block of
-# the alignment is BM / 64 tiles. The gate box and the up box land in the two halves of one [2BN, BK]
-# stage, so a K step is one chain of m64 x 2BN x k16 wgmmas (as the Triton kernels' fused form: the A
-# tile read once, half the instructions); in the accumulator layout every thread holds the same
-# columns of both halves, so splitting gate from up is a register renaming. The same bits as the
-# two-dot and fused forms (each element: the same products, the same K order).
+# issuing cp.async copies of the rows (GU_PRODUCER_WARPS) next to the TMA copies of the weight boxes.
+# cp.async writes shared memory through the generic proxy and wgmma reads it through the async proxy,
+# so the producer hands a stage over only once its own copies of it are complete (cp.async.wait_group),
+# after a proxy fence: it keeps GU_COPY_DEPTH stages of row copies in flight and arrives on a stage's
+# "ready" barrier (count 2: this arrival and the weight copies' expect) GU_COPY_DEPTH stages later.
+# A stage holds a tile's gate and up columns side by side, so a K step is one chain of m64 x 2BN x k16
+# wgmmas (as the Triton kernels' fused form: the A tile read once, half the instructions):
+#     linear     gate box [BN, BK] and up box [BN, BK] (rows n0 and I + n0 of [E * 2I, H]) in the two
+#                halves of a [2BN, BK] stage: accumulator columns [0, BN) gate, [BN, 2BN) up
+#     matmul     gpt-oss's interleaved columns (gate 2j, up 2j + 1): one box [BK, 2BN] at column
+#                2 * n0 of [E * H, 2I]; the bias [2BN] joins the accumulator before the split, as in
+#                moe_gemm.gate_up_rows
+# In the accumulator layout a thread holds the same columns of both halves and both of each (even, odd)
+# pair, so splitting gate from up is a register renaming either way.
 GU_PRODUCER_WARPS = gl.constexpr(4)
 GU_PRODUCER_REGS = gl.constexpr(56)
 GU_CONSUMER_REGS = gl.constexpr(224)
@@ -263,13 +301,17 @@ GU_COPY_DEPTH = gl.constexpr(2)
 
 
 @gluon.jit
-def _ws_activate(g, u, limit, ACT: gl.constexpr):
-    """moe_gemm._activate for ACT 0 (silu), 1 (gelu_tanh), 2 (swiglu_clamp): the same operations in the
+def _ws_activate(g, u, limit, alpha, ACT: gl.constexpr):
+    """moe_gemm._activate (ACT 0 silu, 1 gelu_tanh, 2 swiglu_clamp, 3 gptoss): the same operations in the
     same order, so the same bits (tl.sigmoid(v) is 1 / (1 + exp(-v)))."""
     if ACT == 2:
         g = gl.minimum(g, limit)
         u = gl.minimum(gl.maximum(u, -limit), limit)
-    if ACT == 1:
+    if ACT == 3:
+        g = gl.minimum(g, limit)
+        u = gl.minimum(gl.maximum(u, -limit), limit)
+        out = (u + 1.0) * (g * (1 / (1 + gl.exp(-(alpha * g)))))
+    elif ACT == 1:
         z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
         out = 0.5 * g * (2.0 * (1 / (1 + gl.exp(-(2.0 * z))))) * u
     else:
@@ -278,13 +320,14 @@ def _ws_activate(g, u, limit, ACT: gl.constexpr):
 
 
 @gluon.jit
-def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
-                     num_pairs, H, I, top_k, stride_xt, NUM_PROGS, GROUP_M, SUB):
-    """Producer (a warp group): per K step of this CTA's tiles, the gate / up weight boxes by TMA and the
-    tile's 64 activation rows by cp.async (x[token of each row], zeros for padding rows)."""
+def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
+                     top_k, stride_xt, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+                     MATMUL: gl.constexpr):
+    """Producer (a warp group): per K step of this CTA's live tiles, the weight boxes by TMA and the tile's
+    64 activation rows by cp.async (x[token of each row], zeros for padding rows)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    BLOCK_N: gl.constexpr = wd.block_type.shape[1] // 2 if MATMUL else wd.block_type.shape[0]
     TPW_K: gl.constexpr = BLOCK_K // 8
     copy_layout: gl.constexpr = gl.BlockedLayout([1, 8], [32 // TPW_K, TPW_K], [GU_PRODUCER_WARPS, 1], [1, 0])
     rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
@@ -302,15 +345,18 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
             tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
             a_ptrs = x_ptr + gl.expand_dims(tok * stride_xt, 1) + gl.expand_dims(offs_k, 0)
             a_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_k < BLOCK_K, 0)
-            row_g = e * (2 * I) + pid_n * BLOCK_N
             for kt in range(k_tiles):
                 s = c % STAGES
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
-                mbarrier.expect(bar, 2 * wd.block_type.nbytes)
+                mbarrier.expect(bar, wd.block_type.nbytes * (1 if MATMUL else 2))
                 b = b_bufs.index(s)
-                tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, BLOCK_N))
-                tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(BLOCK_N, BLOCK_N))
+                if MATMUL:  # gate_up [E, H, 2I] viewed [E * H, 2I], gate / up interleaved
+                    tma.async_copy_global_to_shared(wd, [e * H + kt * BLOCK_K, pid_n * (2 * BLOCK_N)], bar, b)
+                else:  # gate_up [E, 2I, H] viewed [E * 2I, H]: gate rows, then up rows
+                    row_g = e * (2 * I) + pid_n * BLOCK_N
+                    tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, BLOCK_N))
+                    tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(BLOCK_N, BLOCK_N))
                 async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
                 async_copy.commit_group()
                 # the row copies of GU_COPY_DEPTH stages ago are complete: fence them into the async proxy
@@ -330,12 +376,14 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
 
 
 @gluon.jit
-def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
-                    stride_ap, limit, WHICH: gl.constexpr, NUM_PROGS, GROUP_M, SUB, ACT: gl.constexpr):
-    """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its 64-row tiles (gate columns, then up
-    columns), then act(g, u) stored by row."""
+def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
+                    num_pairs, H, I, stride_ap, stride_be, limit, alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
+                    GROUP_M: gl.constexpr, WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                    ACT: gl.constexpr):
+    """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its live 64-row tiles, then (bias,) the
+    split into gate and up, act(g, u), stored by row."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
+    BLOCK_N: gl.constexpr = (b_bufs.type.shape[2] if MATMUL else b_bufs.type.shape[1]) // 2
     n_n = gl.cdiv(I, BLOCK_N)
     k_tiles = gl.cdiv(H, BLOCK_K)
     i = 0  # this consumer's tiles so far
@@ -344,11 +392,19 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, us
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r, num_pairs):
             if j % 2 == WHICH:
-                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH)
+                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL)
                 i += 1
-                # columns [0, BN) are gate, [BN, 2BN) up: a thread holds the same columns of both (renaming)
-                g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, BLOCK_N]), [0, 2, 1]))
-                out = _ws_activate(g, u, limit, ACT)
+                if MATMUL:
+                    if HAS_BIAS:  # the interleaved bias joins the accumulator before the split
+                        e = gl.load(block_expert_ptr + pid_r // SUB).to(gl.int64)
+                        offs_c = pid_n * (2 * BLOCK_N) + gl.arange(0, 2 * BLOCK_N,
+                                                                   layout=gl.SliceLayout(0, acc.type.layout))
+                        bias = gl.load(b_ptr + e * stride_be + offs_c, mask=offs_c < 2 * I, other=0.0)
+                        acc += gl.expand_dims(bias.to(gl.float32), 0)
+                    g, u = gl.split(gl.reshape(acc, [TILE_M, BLOCK_N, 2]))
+                else:
+                    g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, BLOCK_N]), [0, 2, 1]))
+                out = _ws_activate(g, u, limit, alpha, ACT)
                 row_layout: gl.constexpr = gl.SliceLayout(1, out.type.layout)
                 col_layout: gl.constexpr = gl.SliceLayout(0, out.type.layout)
                 offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
@@ -360,62 +416,67 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, us
             j += 1
 
 
-# The worker partitions take one argument list (all of both roles).
 @gluon.jit
-def _ws_gate_up_mma_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr,
-                           block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS,
-                           GROUP_M, SUB, ACT: gl.constexpr):
-    """Consumer 1 (a worker partition: the odd tiles)."""
-    _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
-                    stride_ap, limit, 1, NUM_PROGS, GROUP_M, SUB, ACT)
+def _ws_gate_up_mma_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
+                           block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be, limit,
+                           alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+                           MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr):
+    """Consumer 1 (a worker partition: the odd live tiles)."""
+    _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
+                    num_pairs, H, I, stride_ap, stride_be, limit, alpha, SUB, NUM_PROGS, GROUP_M, 1, MATMUL,
+                    HAS_BIAS, ACT)
 
 
 @gluon.jit
-def _ws_gate_up_load_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr,
-                            block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS,
-                            GROUP_M, SUB, ACT: gl.constexpr):
+def _ws_gate_up_load_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
+                            block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be, limit,
+                            alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
+                            MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr):
     """The producer (a worker partition)."""
-    _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used,
-                     num_pairs, H, I, top_k, stride_xt, NUM_PROGS, GROUP_M, SUB)
+    _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
+                     top_k, stride_xt, SUB, NUM_PROGS, GROUP_M, MATMUL)
 
 
 @gluon.jit
-def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, top_k, num_m,
-                          stride_xt, stride_ap, limit,
-                          ACT: gl.constexpr, BLOCK_M: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
-                          STAGES: gl.constexpr, num_warps: gl.constexpr):
-    """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm_tma.moe_gate_up_tma_kernel (ACT 0 / 1 / 2).
+def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, top_k, num_m,
+                          stride_xt, stride_ap, stride_be, limit, alpha,
+                          ACT: gl.constexpr, BLOCK_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
+                          NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                          num_warps: gl.constexpr):
+    """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)] (+ b_gu[e(p)])) like moe_gemm_tma.moe_gate_up_tma_kernel
+    (linear) / moe_gemm.moe_gate_up_kernel (MATMUL, interleaved, HAS_BIAS: gpt-oss).
 
-    wd: Gluon TensorDescriptor over gate_up viewed [E * 2I, H] (gate rows then up rows), block [BN, BK];
-    x_ptr [*, H] rows of the tokens (unit column stride, 16-byte aligned rows: cp.async), act_ptr
-    act_PI [P, I]; BLOCK_M the alignment's block (64 or 128: 64-row tiles, BLOCK_M / 64 a block).
-    Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
+    wd: Gluon TensorDescriptor over gate_up viewed [E * 2I, H] (gate rows then up rows), block [BN, BK]; or
+    (MATMUL) over gate_up [E, H, 2I] (gate / up columns interleaved) viewed [E * H, 2I], block [BK, 2BN];
+    x_ptr [*, H] rows of the tokens (unit column stride, 16-byte aligned rows: cp.async), act_ptr act_PI
+    [P, I], b_ptr b_gu [E, 2I] (HAS_BIAS, interleaved; else any pointer); BLOCK_M the alignment's block
+    (64 or 128: 64-row tiles, BLOCK_M / 64 a block). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
     gl.static_assert(BLOCK_M % TILE_M == 0, "an alignment block is whole 64-row tiles")
-    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
-    BLOCK_K: gl.constexpr = wd.block_type.shape[1]
-    gl.static_assert(BLOCK_N <= 128 and BLOCK_N % 8 == 0, "one wgmma spans the gate and up columns (2BN <= 256)")
+    gl.static_assert(MATMUL or not HAS_BIAS, "a bias only with gpt-oss's interleaved matmul layout")
+    BLOCK_K: gl.constexpr = wd.block_type.shape[0] if MATMUL else wd.block_type.shape[1]
+    N2: gl.constexpr = wd.block_type.shape[1] if MATMUL else 2 * wd.block_type.shape[0]
+    gl.static_assert(N2 <= 256 and N2 % 16 == 0, "one wgmma spans the gate and up columns (2BN <= 256)")
     gl.static_assert(BLOCK_K % 8 == 0 and BLOCK_K <= 256, "the row copies are 8-element chunks")
     gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], wd.dtype)
     a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, TILE_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, 2 * BLOCK_N, BLOCK_K], wd.layout)
-    ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
-    for i in gl.static_range(STAGES):
-        mbarrier.init(ready.index(i), count=2)  # the weight copies' expect + the producer's row hand-over
-        mbarrier.init(empty.index(i), count=1)
-    for i in gl.static_range(2):
-        mbarrier.init(order.index(i), count=1)
+    if MATMUL:
+        b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_K, N2], wd.layout)
+    else:
+        b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, N2, BLOCK_K], wd.layout)
+    # ready: the weight copies' expect + the producer's row hand-over
+    ready, empty, order = _ws_init_barriers(STAGES, 2)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
-    SUB = BLOCK_M // TILE_M
-    worker_args = (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, block_expert_ptr,
-                   used, num_pairs, H, I, top_k, stride_xt, stride_ap, limit, NUM_PROGS, GROUP_M, SUB, ACT)
     gl.warp_specialize([
-        (_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, act_ptr, sorted_ptr, used, num_pairs, H, I,
-                           stride_ap, limit, 0, NUM_PROGS, GROUP_M, SUB, ACT)),
-        (_ws_gate_up_mma_worker, worker_args),
-        (_ws_gate_up_load_worker, worker_args),
+        (_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
+                           num_pairs, H, I, stride_ap, stride_be, limit, alpha, BLOCK_M // TILE_M, NUM_PROGS,
+                           GROUP_M, 0, MATMUL, HAS_BIAS, ACT)),
+        (_ws_gate_up_mma_worker, (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
+                                  block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be,
+                                  limit, alpha, BLOCK_M // TILE_M, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
+        (_ws_gate_up_load_worker, (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
+                                   block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be,
+                                   limit, alpha, BLOCK_M // TILE_M, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
     ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])
