@@ -64,7 +64,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
-from .moe_gemm import _tile_ids
+from .moe_gemm import _activate, _tile_ids
 
 # Warps of each consumer (one warp group: a wgmma's unit) and of the down's producer.
 CONSUMER_WARPS = gl.constexpr(4)
@@ -300,23 +300,9 @@ GU_CONSUMER_REGS = gl.constexpr(224)
 GU_COPY_DEPTH = gl.constexpr(2)
 
 
-@gluon.jit
-def _ws_activate(g, u, limit, alpha, ACT: gl.constexpr):
-    """moe_gemm._activate (ACT 0 silu, 1 gelu_tanh, 2 swiglu_clamp, 3 gptoss): the same operations in the
-    same order, so the same bits (tl.sigmoid(v) is 1 / (1 + exp(-v)))."""
-    if ACT == 2:
-        g = gl.minimum(g, limit)
-        u = gl.minimum(gl.maximum(u, -limit), limit)
-    if ACT == 3:
-        g = gl.minimum(g, limit)
-        u = gl.minimum(gl.maximum(u, -limit), limit)
-        out = (u + 1.0) * (g * (1 / (1 + gl.exp(-(alpha * g)))))
-    elif ACT == 1:
-        z = 0.7978845608028654 * (g + 0.044715 * g * g * g)
-        out = 0.5 * g * (2.0 * (1 / (1 + gl.exp(-(2.0 * z))))) * u
-    else:
-        out = g * (1 / (1 + gl.exp(-g))) * u
-    return out
+# moe_gemm._activate (ACT 0 silu, 1 gelu_tanh, 2 swiglu_clamp, 3 gptoss) compiled as Gluon: the same
+# source, so the same operations in the same order, so the same bits.
+_ws_activate = gluon.jit(_activate.fn)
 
 
 @gluon.jit
