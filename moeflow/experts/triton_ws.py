@@ -120,12 +120,15 @@ def ws_rows_ok(x_rows: torch.Tensor, dtype: torch.dtype) -> bool:
 
 
 def _descriptor(t2d: torch.Tensor, block: list[int]):
-    """A Gluon TensorDescriptor over a contiguous 2-D view, its block in the default NVMMA shared layout."""
+    """A Gluon TensorDescriptor over a 2-D view with unit column stride, its block in the default NVMMA
+    shared layout."""
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
+    if t2d.stride(1) != 1:
+        raise ValueError(f"TMA view: expected a unit column stride, got strides {tuple(t2d.stride())}")
     el = gl.bfloat16 if t2d.dtype == torch.bfloat16 else gl.float16
-    return TensorDescriptor(t2d, list(t2d.shape), [t2d.shape[1], 1], block,
+    return TensorDescriptor(t2d, list(t2d.shape), [t2d.stride(0), 1], block,
                             gl.NVMMASharedLayout.get_default_for(block, el))
 
 
