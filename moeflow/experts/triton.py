@@ -535,7 +535,7 @@ def persistent_programs(t, dev: torch.device) -> int:
         return 0
     if dev.type != "cuda":
         return 4  # the interpreter: a few programs, each walking several tiles
-    return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
+    return _sm_count(dev)
 
 
 def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: ExpertWeights,
@@ -596,11 +596,11 @@ def _launch_gate_up_ws(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Exp
     if (tiles is None or not ws_device_ok(plan.act_PI) or not ws_rows_ok(x_rows, w.gate_up.dtype)
             or not w.gate_up.is_contiguous() or (w.gate_up_bias is not None and not w.interleaved)):
         return False
-    launch_gate_up_ws(x_rows, w.gate_up, w.gate_up_bias, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N,
-                      top_k_div, plan.max_blocks, tiles, w.layout, config.activation,
-                      float(config.swiglu_limit or 0.0), float(config.gptoss_alpha), t.group_m,
-                      _sm_count(plan.act_PI.device))
-    return True
+    # a tiling whose kernel does not compile (shared memory) falls back, as the TMA kernels do
+    return _launch_tma("ws_gate_up", (tiles, w.layout, config.activation), lambda: launch_gate_up_ws(
+        x_rows, w.gate_up, w.gate_up_bias, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N, top_k_div,
+        plan.max_blocks, tiles, w.layout, config.activation, float(config.swiglu_limit or 0.0),
+        float(config.gptoss_alpha), t.group_m, _sm_count(plan.act_PI.device)))
 
 
 def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
@@ -611,12 +611,13 @@ def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
     tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype, w.layout)
     if tiles is None or not ws_device_ok(plan.act_PI) or not w.down.is_contiguous():
         return False
-    launch_down_ws(plan.act_PI, w.down, w.down_bias, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N,
-                   plan.max_blocks, tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device))
-    return True
+    return _launch_tma("ws_down", (tiles, w.layout), lambda: launch_down_ws(
+        plan.act_PI, w.down, w.down_bias, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks,
+        tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device)))
 
 
 def _sm_count(dev: torch.device) -> int:
+    """Streaming multiprocessors of CUDA device dev."""
     return _device_facts(dev.index if dev.index is not None else torch.cuda.current_device())[1]
 
 
