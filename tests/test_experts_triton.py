@@ -1202,6 +1202,8 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
                             mock.patch.object(TW, "launch_gate_up_ws", wraps=TW.launch_gate_up_ws) as gu:
                         got = impl.forward_tokens(x, ids, wts, w, cfg)
                     assert (dn.call_count, gu.call_count) == (int("WS_DOWN" in flags), int("WS_GATE_UP" in flags))
+                    # ... and none fell back (a tiling whose Gluon kernel did not compile runs the Triton ones)
+                    assert not [k for k in TE._TMA_REFUSED if k[0].startswith("ws_")], TE._TMA_REFUSED
                     assert_bitwise_equal(got, want, what=f"{name} {act} BM {tiles.block_m} T={T} {sorted(flags)}")
     impl = TE.TritonExperts(tile_config=t128, tma=True)
     x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
