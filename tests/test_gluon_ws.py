@@ -47,10 +47,13 @@ def test_tiles_follow_the_plan_within_the_accumulator_budget():
     assert ws_down_tiles(128, 128, 64, 2880, 2880, bf16, "matmul") == (128, 128, 64, 6)
     # linear, the same H: tiles must divide it (the view runs on into the next expert): 64 does
     assert ws_down_tiles(128, 128, 64, 2880, 2880, bf16, "linear") == (128, 64, 64, 6)
-    # refused: decode tiles, no column tile dividing H, BK not dividing I, f32 (no bf16 wgmma)
+    # refused: decode tiles, no column tile dividing H, neither BK nor 64 dividing I, f32 (no bf16 wgmma)
     assert ws_down_tiles(16, 64, 256, 2048, 768, bf16) is None
     assert ws_down_tiles(128, 128, 64, 2888, 768, bf16) is None
-    assert ws_down_tiles(128, 128, 128, 2048, 704, bf16) is None
+    assert ws_down_tiles(128, 128, 64, 2048, 712, bf16) is None
+    # the plan's BK 128 does not divide gpt-oss's I 2880: BK 64 does (the same bits)
+    assert ws_down_tiles(64, 128, 128, 2880, 2880, bf16, "matmul") == (64, 128, 64, 6)
+    assert ws_down_tiles(128, 128, 128, 2048, 704, bf16) == (128, 128, 64, 6)
     assert ws_down_tiles(128, 128, 64, 2048, 768, torch.float32) is None
 
 

@@ -63,15 +63,20 @@ def _wgmma_dtype(dtype: torch.dtype) -> bool:
 def ws_down_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, dtype: torch.dtype,
                   layout: str = "linear") -> tuple[int, int, int, int] | None:
     """(BM, BN, BK, STAGES) of the warp-specialised down GEMM for the plan's tiles, or None when it
-    does not serve the shape (BM not 64 / 128, no column tile for H, BK not dividing I, a dtype
-    without a bf16 / fp16 wgmma)."""
-    if not _wgmma_dtype(dtype) or block_m not in (64, 128) or I % block_k or block_k % 16:
+    does not serve the shape (BM not 64 / 128, no column tile for H, neither the plan's BK nor 64
+    dividing I, a dtype without a bf16 / fp16 wgmma)."""
+    if not _wgmma_dtype(dtype) or block_m not in (64, 128):
         return None
     bn = _column_tile(block_n, H, min(256, ACC_REGS * 128 // TILE_M), exact=layout == "linear")
     if bn is None:
         return None
-    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + bn) * block_k * 2))
-    return (block_m, bn, block_k, stages) if stages >= 2 else None
+    # the plan's BK, else 64 (BK changes no bits: every BK sums the same k16 steps in order; gpt-oss's
+    # I 2880 is 22.5 blocks of 128)
+    for bk in dict.fromkeys((block_k, 64)):
+        stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + bn) * bk * 2))
+        if I % bk == 0 and bk % 16 == 0 and stages >= 2:
+            return block_m, bn, bk, stages
+    return None
 
 
 def ws_gate_up_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, dtype: torch.dtype,
