@@ -21,7 +21,7 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
               moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
     ws_gate_up table with the gate_up by its Gluon kernel (WS_GATE_UP); ws: both
-    other_bk  table with both GEMMs' BK switched 64 <-> 128 (stages kept): whether BK changes the
+    other_bk  table with both GEMMs' BK switched 64 <-> 128 (stages cut to fit): whether BK changes the
               bits of the wgmma kernels (each k16 step joins one accumulator in order, so it should
               not; if it does not, the batch-invariant mode need not fix BK)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
@@ -86,11 +86,21 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["tiled_down"] = table
     for v in ("ws_down", "ws_gate_up", "ws"):
         out[v] = table
-    other = {64: 128, 128: 64}
-    out["other_bk"] = dataclasses.replace(
-        table, gate_up=dataclasses.replace(table.gate_up, block_k=other.get(table.gate_up.block_k, 64)),
-        down=dataclasses.replace(table.down, block_k=other.get(table.down.block_k, 64)))
+    out["other_bk"] = dataclasses.replace(table, gate_up=_other_bk(table.gate_up, table.block_m, 2),
+                                          down=_other_bk(table.down, table.block_m, 1))
     return out
+
+
+# shared memory a Triton GEMM's stages may take (Hopper: 227 KB a block, less the compiler's scratch)
+_STAGE_BYTES = 200 * 1024
+
+
+def _other_bk(t: GemmTile, block_m: int, b_tiles: int) -> GemmTile:
+    """t with BK switched 64 <-> 128 and as many of its stages as still fit _STAGE_BYTES (bf16: a stage
+    holds a BM x BK tile and b_tiles BN x BK ones; BK 128 at 3 stages can need 384 KB)."""
+    bk = {64: 128, 128: 64}.get(t.block_k, 64)
+    stage = (block_m + b_tiles * t.block_n) * bk * 2
+    return dataclasses.replace(t, block_k=bk, num_stages=max(1, min(t.num_stages, _STAGE_BYTES // stage)))
 
 
 # variants that are `table` run with module flags of moeflow.experts.triton set (read at launch)
