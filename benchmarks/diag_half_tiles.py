@@ -18,6 +18,7 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
               sibling's, moeflow.tuning.table_device) runs (its K steps may differ: bits need not match)
     tiled_down table with the down GEMM tiled (FLAT_DOWN = False; the default, None, runs the bf16
               down flat at short K on full 128-row tiles: table is flat_down there)
+    ws_g<G>   ws with GROUP_M = G (1, 4, 16, 64): how much the grouped order's L2 reuse matters to them
     ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
               moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
     ws_gate_up table with the gate_up by its Gluon kernel (WS_GATE_UP); ws: both
@@ -86,6 +87,9 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["tiled_down"] = table
     for v in ("ws_down", "ws_gate_up", "ws"):
         out[v] = table
+    for g in WS_GROUPS:  # the Gluon kernels at other grouped orders (GROUP_M 64-row tiles a group)
+        out[f"ws_g{g}"] = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, group_m=g),
+                                              down=dataclasses.replace(table.down, group_m=g))
     out["other_bk"] = dataclasses.replace(table, gate_up=_other_bk(table.gate_up, table.block_m, 2),
                                           down=_other_bk(table.down, table.block_m, 1))
     return out
@@ -103,8 +107,11 @@ def _other_bk(t: GemmTile, block_m: int, b_tiles: int) -> GemmTile:
     return dataclasses.replace(t, block_k=bk, num_stages=max(1, min(t.num_stages, _STAGE_BYTES // stage)))
 
 
+# GROUP_M of the ws_g<G> variants
+WS_GROUPS = (1, 4, 16, 64)
 # variants that are `table` run with module flags of moeflow.experts.triton set (read at launch)
-FLAGS = {"two_dot": {"FUSED_GATE_UP": False}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
+FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS},
+         "two_dot": {"FUSED_GATE_UP": False}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
          "ws_down": {"WS_DOWN": True}, "ws_gate_up": {"WS_GATE_UP": True},
          "ws": {"WS_DOWN": True, "WS_GATE_UP": True}}
 
