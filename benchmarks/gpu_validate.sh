@@ -64,7 +64,7 @@ if [ "${RC_wstest:-0}" != 0 ]; then
   echo "== wstime: left out, wstest rc ${RC_wstest}"
   STEPS=${STEPS/wstime/}
 fi
-step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants ws_down,ws_gate_up,ws,other_bk \
+step wstime "${WSTIME_LIMIT_S:-300}" python3 benchmarks/diag_half_tiles.py --variants "${WS_VARIANTS:-ws_down,ws_gate_up,ws,ws_pp,other_bk}" \
   --points "${WS_POINTS:-qwen3-30b-a3b:2048,qwen3-30b-a3b:8192,deepseek-v3:8192,gpt-oss-120b:8192,mixtral-8x7b:8192}" \
   --routing "${WS_ROUTING:-uniform}" --rounds 3 --json "$OUT/wstime.json"
 [ -f "$OUT/wstime.log" ] && grep -E "sustained| table | ws| other_bk" "$OUT/wstime.log"

@@ -75,6 +75,18 @@ def test_gate_up_tiles():
     assert ws_gate_up_tiles(128, 128, 64, 2048, 708, bf16, "silu") is None
 
 
+def test_cooperative_tiles():
+    """The cooperative schedule: a stage holds 128 act rows (fewer stages), BM 128 plans only."""
+    from moeflow.experts.triton_ws import ws_down_tiles, ws_gate_up_tiles
+
+    bf16 = torch.bfloat16
+    # (128 + 256) x 64 x 2 bytes = 48 KB a stage: 4 in 200 KB
+    assert ws_down_tiles(128, 256, 64, 2048, 768, bf16, coop=True) == (128, 256, 64, 4)
+    assert ws_gate_up_tiles(128, 128, 64, 2048, 768, bf16, "silu", coop=True) == (128, 128, 64, 4)
+    assert ws_down_tiles(64, 256, 64, 2048, 768, bf16, coop=True) is None
+    assert ws_gate_up_tiles(64, 128, 64, 2048, 768, bf16, "silu", coop=True) is None
+
+
 def test_off_by_default_and_never_on_cpu_tensors():
     import moeflow.experts.triton as TE
     from moeflow.experts.triton_ws import ws_device_ok, ws_rows_ok
@@ -86,23 +98,24 @@ def test_off_by_default_and_never_on_cpu_tensors():
     assert ws_device_ok(torch.empty(4, 4)) is False  # the interpreter never gets a Gluon launch
 
 
-def _compile(bm: int, bn: int, bk: int, stages: int, matmul: bool):
+def _compile(bm: int, bn: int, bk: int, stages: int, matmul: bool, coop: bool = False):
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type
     from moeflow.kernels.moe_gemm_ws import moe_down_ws_kernel
 
-    types = dict(ad=gluon_desc_type("bf16", [64, bk]), wd=gluon_desc_type("bf16", [bk, bn] if matmul else [bn, bk]),
+    types = dict(ad=gluon_desc_type("bf16", [128 if coop else 64, bk]), wd=gluon_desc_type("bf16", [bk, bn] if matmul else [bn, bk]),
                  y_ptr="*bf16", b_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
     consts = dict(BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
     return compile_kernel(moe_down_ws_kernel, types, consts, num_warps=4, div16=("H", "I", "stride_yn"))
 
 
 @needs_gluon
-@pytest.mark.parametrize("bm,bn,bk,stages,matmul", [(128, 256, 64, 5, False), (64, 128, 64, 6, False),
-                                                    (128, 128, 64, 6, True)])
-def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages, matmul):
+@pytest.mark.parametrize("bm,bn,bk,stages,matmul,coop", [(128, 256, 64, 5, False, False), (64, 128, 64, 6, False, False),
+                                                         (128, 128, 64, 6, True, False), (128, 256, 64, 4, False, True),
+                                                         (128, 128, 64, 5, True, True)])
+def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages, matmul, coop):
     from benchmarks.sass_mix import gmma_loop, opcode_mix, sass_text
 
-    k = _compile(bm, bn, bk, stages, matmul)
+    k = _compile(bm, bn, bk, stages, matmul, coop)
     sass = sass_text(k)
     ptx = k.asm["ptx"]
     # 4 consumer warps + 4 consumer warps + 1 producer warp, padded to whole warp groups
@@ -114,7 +127,8 @@ def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, sta
     assert "STL" not in sass and "LDL" not in sass  # no spills
     lines = gmma_loop(sass)
     loop = opcode_mix(lines)
-    # one consumer's K step on a 64-row tile: m64 x BN x k16 wgmmas, BK / 16 deep, and no other shape
+    # one consumer's K step on its 64 rows (ping-pong: a tile; cooperative: half the stage's 128 rows):
+    # m64 x BN x k16 wgmmas, BK / 16 deep, and no other shape
     assert sum(f"HGMMA.64x{bn}x16.F32.BF16 " in ln for ln in lines) == bk // 16, loop
     assert sum("GMMA." in ln for ln in lines) == bk // 16, loop
     assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1, loop  # the ring stage's "ready" wait
@@ -127,9 +141,10 @@ def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, sta
 
 
 @needs_gluon
-@pytest.mark.parametrize("bm,bn,bk,stages,act,matmul", [(128, 128, 64, 5, 0, False), (64, 64, 128, 4, 1, False),
-                                                        (128, 128, 64, 5, 3, True)])
-def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, matmul):
+@pytest.mark.parametrize("bm,bn,bk,stages,act,matmul,coop", [
+    (128, 128, 64, 5, 0, False, False), (64, 64, 128, 4, 1, False, False), (128, 128, 64, 5, 3, True, False),
+    (128, 128, 64, 4, 0, False, True), (128, 128, 64, 4, 3, True, True)])
+def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, matmul, coop):
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
     from moeflow.kernels.moe_gemm_ws import moe_gate_up_ws_kernel
 
@@ -137,7 +152,7 @@ def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, mat
     types = dict(x_ptr="*bf16", wd=gluon_desc_type("bf16", box), act_ptr="*bf16", b_ptr="*bf16", sorted_ptr="*i32",
                  block_expert_ptr="*i32", limit="fp32", alpha="fp32")
     consts = dict(ACT=act, BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages,
-                  num_warps=4)
+                  COOP=coop, num_warps=4)
     k = compile_kernel(moe_gate_up_ws_kernel, types, consts, num_warps=4,
                        div16=("H", "I", "stride_xt", "stride_ap"))
     sass, ptx = sass_text(k), k.asm["ptx"]
@@ -156,7 +171,7 @@ def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, mat
     assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1 and loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop
     # the producer: 16-byte row copies, then wait for the copies of two stages ago, fence them into the
     # async proxy on every thread, and only then the one arrival
-    rows_per_thread = 64 * bk // (128 * 8)
+    rows_per_thread = (128 if coop else 64) * bk // (128 * 8)
     assert ptx.count("cp.async.cg.shared.global") == rows_per_thread, ptx.count("cp.async.cg.shared.global")
     i = ptx.index("cp.async.wait_group \t2;")
     tail = ptx[i:ptx.index("mbarrier.arrive.shared::cta.b64", i)]

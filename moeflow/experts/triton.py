@@ -134,6 +134,12 @@ WS_DOWN = False
 # The same schedule for the gate_up (moe_gemm_ws.moe_gate_up_ws_kernel: a producer warp group gathers the
 # activation rows by cp.async beside the weight boxes' TMA). Off for the same reason.
 WS_GATE_UP = False
+# Their schedule where the plan's blocks are 128 rows: cooperative (True: both consumer warp groups on one
+# 128-row tile, 64 rows each, sharing the stage's weight box, as the Triton kernels' 8 warps do) or
+# ping-pong (False: alternate 64-row tiles). Ping-pong reads each weight box for 64 rows, twice the
+# cooperative's weight traffic a FLOP: on the H100 (2026-12-05) its kernels ran DRAM-bound at 0.3-0.9x
+# the Triton kernels' speed. BM 64 plans run ping-pong either way.
+WS_COOP = True
 
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
@@ -591,16 +597,17 @@ def _launch_gate_up_ws(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Exp
     from .triton_ws import launch_gate_up_ws, ws_device_ok, ws_gate_up_tiles, ws_rows_ok
 
     t = plan.cfg.gate_up
+    coop = WS_COOP and plan.cfg.block_m == 128
     tiles = ws_gate_up_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.gate_up.dtype,
-                             config.activation, w.layout, bool(w.interleaved))
+                             config.activation, w.layout, bool(w.interleaved), coop)
     if (tiles is None or not ws_device_ok(plan.act_PI) or not ws_rows_ok(x_rows, w.gate_up.dtype)
             or not w.gate_up.is_contiguous() or (w.gate_up_bias is not None and not w.interleaved)):
         return False
     # a tiling whose kernel does not compile (shared memory) falls back, as the TMA kernels do
-    return _launch_tma("ws_gate_up", (tiles, w.layout, config.activation), lambda: launch_gate_up_ws(
+    return _launch_tma("ws_gate_up", (tiles, w.layout, config.activation, coop), lambda: launch_gate_up_ws(
         x_rows, w.gate_up, w.gate_up_bias, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N, top_k_div,
         plan.max_blocks, tiles, w.layout, config.activation, float(config.swiglu_limit or 0.0),
-        float(config.gptoss_alpha), t.group_m, _sm_count(plan.act_PI.device)))
+        float(config.gptoss_alpha), t.group_m, _sm_count(plan.act_PI.device), coop))
 
 
 def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
@@ -608,12 +615,13 @@ def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
     from .triton_ws import launch_down_ws, ws_device_ok, ws_down_tiles
 
     t = plan.cfg.down
-    tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype, w.layout)
+    coop = WS_COOP and plan.cfg.block_m == 128
+    tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype, w.layout, coop)
     if tiles is None or not ws_device_ok(plan.act_PI) or not w.down.is_contiguous():
         return False
-    return _launch_tma("ws_down", (tiles, w.layout), lambda: launch_down_ws(
+    return _launch_tma("ws_down", (tiles, w.layout, coop), lambda: launch_down_ws(
         plan.act_PI, w.down, w.down_bias, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks,
-        tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device)))
+        tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device), coop))
 
 
 def _sm_count(dev: torch.device) -> int:

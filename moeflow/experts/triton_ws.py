@@ -61,38 +61,43 @@ def _wgmma_dtype(dtype: torch.dtype) -> bool:
 
 
 def ws_down_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, dtype: torch.dtype,
-                  layout: str = "linear") -> tuple[int, int, int, int] | None:
+                  layout: str = "linear", coop: bool = False) -> tuple[int, int, int, int] | None:
     """(BM, BN, BK, STAGES) of the warp-specialised down GEMM for the plan's tiles, or None when it
-    does not serve the shape (BM not 64 / 128, no column tile for H, neither the plan's BK nor 64
-    dividing I, a dtype without a bf16 / fp16 wgmma)."""
-    if not _wgmma_dtype(dtype) or block_m not in (64, 128):
+    does not serve the shape (BM not 64 / 128, or not 128 when coop; no column tile for H, neither the
+    plan's BK nor 64 dividing I, a dtype without a bf16 / fp16 wgmma). coop: the cooperative schedule
+    (a stage holds 128 act rows, one 64-row half for each consumer), else ping-pong (64)."""
+    if not _wgmma_dtype(dtype) or block_m not in ((128,) if coop else (64, 128)):
         return None
+    rows = 2 * TILE_M if coop else TILE_M
     bn = _column_tile(block_n, H, min(256, ACC_REGS * 128 // TILE_M), exact=layout == "linear")
     if bn is None:
         return None
     # the plan's BK, else 64 (BK changes no bits: every BK sums the same k16 steps in order; gpt-oss's
     # I 2880 is 22.5 blocks of 128)
     for bk in dict.fromkeys((block_k, 64)):
-        stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + bn) * bk * 2))
+        stages = min(MAX_STAGES, SMEM_BYTES // ((rows + bn) * bk * 2))
         if I % bk == 0 and bk % 16 == 0 and stages >= 2:
             return block_m, bn, bk, stages
     return None
 
 
 def ws_gate_up_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, dtype: torch.dtype,
-                     activation: str, layout: str = "linear", interleaved: bool = False
+                     activation: str, layout: str = "linear", interleaved: bool = False, coop: bool = False
                      ) -> tuple[int, int, int, int] | None:
     """(BM, BN, BK, STAGES) of the warp-specialised gate_up, or None where it does not serve: the linear
     layout with gate rows then up rows, or the matmul layout with interleaved columns (gpt-oss); an
-    activation with a Gluon form (moe_gemm_ws._ws_activate); a column tile dividing I (2BN <= 256)."""
-    if (not _wgmma_dtype(dtype) or block_m not in (64, 128) or activation not in _WS_ACTIVATIONS
+    activation with a Gluon form (moe_gemm_ws._ws_activate); a column tile dividing I (2BN <= 256);
+    coop as ws_down_tiles."""
+    if (not _wgmma_dtype(dtype) or block_m not in ((128,) if coop else (64, 128))
+            or activation not in _WS_ACTIVATIONS
             or (layout, bool(interleaved)) not in (("linear", False), ("matmul", True))):
         return None
     bn = _column_tile(block_n, I, min(128, ACC_REGS), exact=layout == "linear")
     if bn is None:
         return None
+    rows = 2 * TILE_M if coop else TILE_M
     for bk in dict.fromkeys((block_k, 64)):
-        stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + 2 * bn) * bk * 2))
+        stages = min(MAX_STAGES, SMEM_BYTES // ((rows + 2 * bn) * bk * 2))
         if H % bk == 0 and bk % 16 == 0 and 32 % (bk // 8) == 0 and stages >= GU_MIN_STAGES:
             return block_m, bn, bk, stages
     return None
@@ -139,12 +144,14 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
 
 def launch_down_ws(act_PI: torch.Tensor, W: torch.Tensor, bias_EH: torch.Tensor | None, y_NH: torch.Tensor,
                    sorted_P: torch.Tensor, block_expert_B: torch.Tensor, num_pairs: int, max_blocks: int,
-                   tiles: tuple[int, int, int, int], layout: str, group_m: int, num_programs: int) -> None:
+                   tiles: tuple[int, int, int, int], layout: str, group_m: int, num_programs: int,
+                   coop: bool = False) -> None:
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] (+ bias_EH[e(p)]) for every placed pair (moe_gemm_ws.moe_down_ws_kernel).
 
     act_PI [P, I] and W (contiguous: linear [E, H, I], matmul [E, I, H]) in bf16 / fp16; y_NH [N, H]
     (row stride y_NH.stride(0), unit column stride); sorted_P / block_expert_B the alignment's int32
-    buffers; tiles from ws_down_tiles; num_programs the device's SM count (one CTA an SM).
+    buffers; tiles from ws_down_tiles (with the same coop); num_programs the device's SM count (one CTA
+    an SM).
     """
     from ..kernels.moe_gemm_ws import CONSUMER_WARPS, moe_down_ws_kernel
 
@@ -152,7 +159,7 @@ def launch_down_ws(act_PI: torch.Tensor, W: torch.Tensor, bias_EH: torch.Tensor 
     matmul = layout == "matmul"
     E = W.shape[0]
     H, I = (W.shape[2], W.shape[1]) if matmul else (W.shape[1], W.shape[2])
-    ad = _descriptor(act_PI, [TILE_M, BK])
+    ad = _descriptor(act_PI, [2 * TILE_M if coop else TILE_M, BK])  # the act box: a tile's rows
     wd = _descriptor(W.view(E * I, H), [BK, BN]) if matmul else _descriptor(W.view(E * H, I), [BN, BK])
     b = bias_EH if bias_EH is not None else y_NH  # any pointer when there is no bias
     moe_down_ws_kernel[(num_programs,)](
@@ -165,7 +172,7 @@ def launch_down_ws(act_PI: torch.Tensor, W: torch.Tensor, bias_EH: torch.Tensor 
 def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Tensor | None, act_PI: torch.Tensor,
                       sorted_P: torch.Tensor, block_expert_B: torch.Tensor, num_pairs: int, top_k_div: int,
                       max_blocks: int, tiles: tuple[int, int, int, int], layout: str, activation: str, limit: float,
-                      alpha: float, group_m: int, num_programs: int) -> None:
+                      alpha: float, group_m: int, num_programs: int, coop: bool = False) -> None:
     """act_PI[p] = act(x_rows[pair(p) // top_k_div] @ W_gu[e(p)] (+ bias)) for every placed pair
     (moe_gemm_ws.moe_gate_up_ws_kernel).
 
@@ -185,5 +192,5 @@ def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Ten
         x_rows, wd, act_PI, b, sorted_P, block_expert_B, num_pairs, H, I2 // 2, top_k_div, max_blocks,
         x_rows.stride(0), act_PI.stride(0), b.stride(0), float(limit), float(alpha),
         ACT=_WS_ACTIVATIONS[activation], BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_E2I is not None,
-        NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, num_warps=CONSUMER_WARPS.value,
+        NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, COOP=coop, num_warps=CONSUMER_WARPS.value,
     )

@@ -96,29 +96,33 @@ def _ws_used_blocks(block_expert_ptr, num_m, num_warps: gl.constexpr):
 
 
 @gluon.jit
-def _ws_live(sorted_ptr, pid_r, num_pairs):
-    """Whether 64-row tile pid_r holds a pair: an expert's rows come first in its block, so a tile whose
-    first row is padding is all padding (the second half of a block with <= 64 pairs): skipped."""
-    return gl.load(sorted_ptr + pid_r * TILE_M) < num_pairs
+def _ws_live(sorted_ptr, first_row, num_pairs):
+    """Whether the rows from first_row (a tile's, or a cooperative consumer's half) hold a pair: an
+    expert's rows come first in its block, so rows whose first is padding are all padding (the second
+    half of a block with <= 64 pairs): skipped."""
+    return gl.load(sorted_ptr + first_row) < num_pairs
 
 
 @gluon.jit
 def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: gl.constexpr,
-                     B_MN: gl.constexpr):
+                     B_MN: gl.constexpr, COOP: gl.constexpr):
     """Consumer WHICH's i-th tile, the CTA's j-th live tile: returns its f32 accumulator [64, N] (wgmma
     m64 x N x k16 chains; N the stage's weight columns: b_bufs [S, N, BK], or [S, BK, N] when B_MN).
 
-    Its turn first: wait until the other consumer has passed every wait of the tile before (module
-    docstring; the other's arrivals on order[1 - WHICH] so far: i + WHICH, consumer 0 going first). Then
-    the K loop from ring position j * k_tiles: wait for the stage, issue its wgmmas, keep them in flight
-    and free the stage before. Then hand the turn over, wait for the last wgmmas, free the last stage.
+    Ping-pong (not COOP): its turn first: wait until the other consumer has passed every wait of the
+    tile before (module docstring; the other's arrivals on order[1 - WHICH] so far: i + WHICH, consumer
+    0 going first). Cooperative (COOP): no turns; the stage's act rows [WHICH * 64, WHICH * 64 + 64)
+    are this consumer's. Then the K loop from ring position j * k_tiles: wait for the stage, issue its
+    wgmmas, keep them in flight and free the stage before. Then (ping-pong) hand the turn over, wait
+    for the last wgmmas, free the last stage.
     """
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     N: gl.constexpr = b_bufs.type.shape[2] if B_MN else b_bufs.type.shape[1]
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, N, 16])
-    if (WHICH == 1) | (i > 0):
-        mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
+    if not COOP:
+        if (WHICH == 1) | (i > 0):
+            mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
     acc = gl.zeros([TILE_M, N], gl.float32, layout=mma_layout)
     c = j * k_tiles
     for kt in range(k_tiles):
@@ -128,26 +132,60 @@ def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: 
             b = b_bufs.index(s)
         else:
             b = b_bufs.index(s).permute((1, 0))
-        acc = warpgroup_mma(a_bufs.index(s), b, acc, is_async=True)
+        if COOP:
+            a = a_bufs.index(s).slice(WHICH * TILE_M, TILE_M)
+        else:
+            a = a_bufs.index(s)
+        acc = warpgroup_mma(a, b, acc, is_async=True)
         # keep this step's wgmmas in flight; the step before is done, so its stage is free
         acc = warpgroup_mma_wait(num_outstanding=1, deps=(acc,))
         mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1, pred=kt > 0)
         c += 1
-    mbarrier.arrive(order.index(WHICH), count=1)
+    if not COOP:
+        mbarrier.arrive(order.index(WHICH), count=1)
     acc = warpgroup_mma_wait(num_outstanding=0, deps=(acc,))
     mbarrier.arrive(empty.index((c + STAGES - 1) % STAGES), count=1)
     return acc
 
 
 @gluon.jit
-def _ws_init_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
-    """(ready, empty, order): the ring's mbarrier pair per stage and the consumers' two ordering barriers."""
+def _ws_my_rows(sorted_ptr, pid_r, j, num_pairs, ROWS: gl.constexpr, WHICH: gl.constexpr):
+    """(first row, mine) of consumer WHICH in the CTA's j-th live tile pid_r of ROWS rows: ping-pong
+    (ROWS 64) the whole tile, its own when j % 2 == WHICH; cooperative (ROWS 128) rows
+    [WHICH * 64, WHICH * 64 + 64), its own when they hold a pair."""
+    if ROWS == TILE_M:
+        row0 = pid_r * ROWS
+        mine = j % 2 == WHICH
+    else:
+        row0 = pid_r * ROWS + WHICH * TILE_M
+        mine = _ws_live(sorted_ptr, row0, num_pairs)
+    return row0, mine
+
+
+@gluon.jit
+def _ws_skip_tile(a_bufs, ready, empty, j, k_tiles):
+    """Cooperative consumer 1 on a block whose second 64 rows are padding: no wgmma, but the ring's
+    protocol kept: wait for each stage (its fill implies the stage's previous use was freed by both
+    consumers: an arrival before it would count towards that earlier phase) and free it."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    c = j * k_tiles
+    for kt in range(k_tiles):
+        s = c % STAGES
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        mbarrier.arrive(empty.index(s), count=1)
+        c += 1
+
+
+@gluon.jit
+def _ws_init_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr, EMPTY_COUNT: gl.constexpr):
+    """(ready, empty, order): the ring's mbarrier pair per stage (empty: EMPTY_COUNT consumers free each
+    stage: 1 ping-pong, 2 cooperative) and the ping-pong consumers' two ordering barriers."""
     ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     order = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(ready.index(i), count=READY_COUNT)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=EMPTY_COUNT)
     for i in gl.static_range(2):
         mbarrier.init(order.index(i), count=1)
     return ready, empty, order
@@ -157,8 +195,10 @@ def _ws_init_barriers(STAGES: gl.constexpr, READY_COUNT: gl.constexpr):
 @gluon.jit
 def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
                   SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, MATMUL: gl.constexpr):
-    """Producer: the TMA copies of every K step of this CTA's live tiles, in order, into the ring."""
+    """Producer: the TMA copies of every K step of this CTA's live tiles (ROWS rows: 64 ping-pong, 128
+    cooperative), in order, into the ring."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    ROWS: gl.constexpr = ad.block_type.shape[0]
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd.block_type.shape[1] if MATMUL else wd.block_type.shape[0]
     n_n = gl.cdiv(H, BLOCK_N)
@@ -166,7 +206,7 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
     c = 0
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
-        if _ws_live(sorted_ptr, pid_r, num_pairs):
+        if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
             e = gl.load(block_expert_ptr + pid_r // SUB)
             for kt in range(k_tiles):
                 s = c % STAGES
@@ -175,7 +215,7 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
                 mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
                 bar = ready.index(s)
                 mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
-                tma.async_copy_global_to_shared(ad, [pid_r * TILE_M, kt * BLOCK_K], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(ad, [pid_r * ROWS, kt * BLOCK_K], bar, a_bufs.index(s))
                 if MATMUL:  # down [E, I, H] viewed [E * I, H]
                     tma.async_copy_global_to_shared(wd, [e * I + kt * BLOCK_K, pid_n * BLOCK_N], bar, b_bufs.index(s))
                 else:  # down [E, H, I] viewed [E * H, I]
@@ -188,7 +228,10 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, 
                  H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
                  WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
     """Consumer WHICH (0 or 1): the wgmmas and the epilogue (bias, then the rows stored by pair) of this
-    CTA's live tiles j with j % 2 == WHICH."""
+    CTA's live tiles j with j % 2 == WHICH (ping-pong), or of the rows [WHICH * 64, WHICH * 64 + 64) of
+    every live 128-row tile (cooperative: the stage's act box holds 128 rows)."""
+    ROWS: gl.constexpr = a_bufs.type.shape[1]
+    COOP: gl.constexpr = ROWS != TILE_M
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = b_bufs.type.shape[2] if MATMUL else b_bufs.type.shape[1]
     n_n = gl.cdiv(H, BLOCK_N)
@@ -197,9 +240,13 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, 
     j = 0  # the CTA's live tiles so far (both consumers'): the producer's order
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
-        if _ws_live(sorted_ptr, pid_r, num_pairs):
-            if j % 2 == WHICH:
-                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL)
+        if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
+            row0, mine = _ws_my_rows(sorted_ptr, pid_r, j, num_pairs, ROWS, WHICH)
+            if COOP:
+                if not mine:
+                    _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
+            if mine:
+                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL, COOP)
                 i += 1
                 row_layout: gl.constexpr = gl.SliceLayout(1, acc.type.layout)
                 col_layout: gl.constexpr = gl.SliceLayout(0, acc.type.layout)
@@ -208,7 +255,7 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, 
                     e = gl.load(block_expert_ptr + pid_r // SUB).to(gl.int64)
                     bias = gl.load(b_ptr + e * stride_be + offs_h, mask=offs_h < H, other=0.0)
                     acc += gl.expand_dims(bias.to(gl.float32), 0)
-                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
+                offs_p = row0 + gl.arange(0, TILE_M, layout=row_layout)
                 pair = gl.load(sorted_ptr + offs_p)
                 row_ok = pair < num_pairs
                 y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
@@ -253,26 +300,27 @@ def moe_down_ws_kernel(ad, wd, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_p
     linear layout (MATMUL: the last column tile may run past H: TMA fills zeros, the store is masked).
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles: one warp group's wgmma M")
-    gl.static_assert(BLOCK_M % TILE_M == 0, "an alignment block is whole 64-row tiles")
+    ROWS: gl.constexpr = ad.block_type.shape[0]  # a tile: 64 rows (ping-pong) or 128 (cooperative)
+    gl.static_assert((ROWS == TILE_M) | (ROWS == 2 * TILE_M), "a tile is one or two warp groups' wgmma M")
+    gl.static_assert(BLOCK_M % ROWS == 0, "an alignment block is whole tiles")
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd.block_type.shape[1] if MATMUL else wd.block_type.shape[0]
     W_K: gl.constexpr = wd.block_type.shape[0] if MATMUL else wd.block_type.shape[1]
     gl.static_assert(W_K == BLOCK_K, "act and weight boxes share BK")
     gl.static_assert(BLOCK_N <= 256 and BLOCK_N % 8 == 0, "one wgmma spans the tile's columns")
-    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
+    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, ROWS, BLOCK_K], ad.layout)
     b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES] + wd.block_type.shape, wd.layout)
-    ready, empty, order = _ws_init_barriers(STAGES, 1)
+    ready, empty, order = _ws_init_barriers(STAGES, 1, ROWS // TILE_M)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
     gl.warp_specialize([
         (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
-                        num_pairs, H, I, stride_yn, stride_be, BLOCK_M // TILE_M, NUM_PROGS, GROUP_M, 0, MATMUL,
+                        num_pairs, H, I, stride_yn, stride_be, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, 0, MATMUL,
                         HAS_BIAS)),
         (_ws_down_mma_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr,
-                               block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // TILE_M,
+                               block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // ROWS,
                                NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS)),
         (_ws_down_load_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr,
-                                block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // TILE_M,
+                                block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // ROWS,
                                 NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
@@ -310,8 +358,10 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
                      top_k, stride_xt, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
                      MATMUL: gl.constexpr):
     """Producer (a warp group): per K step of this CTA's live tiles, the weight boxes by TMA and the tile's
-    64 activation rows by cp.async (x[token of each row], zeros for padding rows)."""
+    ROWS activation rows (64 ping-pong, 128 cooperative) by cp.async (x[token of each row], zeros for
+    padding rows)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
+    ROWS: gl.constexpr = a_bufs.type.shape[1]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = wd.block_type.shape[1] // 2 if MATMUL else wd.block_type.shape[0]
     TPW_K: gl.constexpr = BLOCK_K // 8
@@ -324,9 +374,9 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
     c = 0
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
-        if _ws_live(sorted_ptr, pid_r, num_pairs):
+        if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
             e = gl.load(block_expert_ptr + pid_r // SUB)
-            pair = gl.load(sorted_ptr + pid_r * TILE_M + gl.arange(0, TILE_M, layout=rows))
+            pair = gl.load(sorted_ptr + pid_r * ROWS + gl.arange(0, ROWS, layout=rows))
             row_ok = pair < num_pairs
             tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
             a_ptrs = x_ptr + gl.expand_dims(tok * stride_xt, 1) + gl.expand_dims(offs_k, 0)
@@ -366,8 +416,11 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_
                     num_pairs, H, I, stride_ap, stride_be, limit, alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
                     GROUP_M: gl.constexpr, WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
                     ACT: gl.constexpr):
-    """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its live 64-row tiles, then (bias,) the
-    split into gate and up, act(g, u), stored by row."""
+    """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its 64 rows of the live tiles (ping-pong:
+    the tiles j with j % 2 == WHICH; cooperative: rows [WHICH * 64, WHICH * 64 + 64) of every 128-row
+    tile), then (bias,) the split into gate and up, act(g, u), stored by row."""
+    ROWS: gl.constexpr = a_bufs.type.shape[1]
+    COOP: gl.constexpr = ROWS != TILE_M
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
     BLOCK_N: gl.constexpr = (b_bufs.type.shape[2] if MATMUL else b_bufs.type.shape[1]) // 2
     n_n = gl.cdiv(I, BLOCK_N)
@@ -376,9 +429,13 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_
     j = 0  # the CTA's live tiles so far (both consumers'): the producer's order
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
-        if _ws_live(sorted_ptr, pid_r, num_pairs):
-            if j % 2 == WHICH:
-                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL)
+        if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
+            row0, mine = _ws_my_rows(sorted_ptr, pid_r, j, num_pairs, ROWS, WHICH)
+            if COOP:
+                if not mine:
+                    _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
+            if mine:
+                acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL, COOP)
                 i += 1
                 if MATMUL:
                     if HAS_BIAS:  # the interleaved bias joins the accumulator before the split
@@ -393,7 +450,7 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_
                 out = _ws_activate(g, u, limit, alpha, ACT)
                 row_layout: gl.constexpr = gl.SliceLayout(1, out.type.layout)
                 col_layout: gl.constexpr = gl.SliceLayout(0, out.type.layout)
-                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
+                offs_p = row0 + gl.arange(0, TILE_M, layout=row_layout)
                 row_ok = gl.load(sorted_ptr + offs_p) < num_pairs
                 offs_j = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
                 act_ptrs = act_ptr + gl.expand_dims(offs_p.to(gl.int64) * stride_ap, 1) + gl.expand_dims(offs_j, 0)
@@ -428,7 +485,7 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, b_ptr, sorted_ptr, block_expert_pt
                           stride_xt, stride_ap, stride_be, limit, alpha,
                           ACT: gl.constexpr, BLOCK_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
                           NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          num_warps: gl.constexpr):
+                          COOP: gl.constexpr, num_warps: gl.constexpr):
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)] (+ b_gu[e(p)])) like moe_gemm_tma.moe_gate_up_tma_kernel
     (linear) / moe_gemm.moe_gate_up_kernel (MATMUL, interleaved, HAS_BIAS: gpt-oss).
 
@@ -439,30 +496,31 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, b_ptr, sorted_ptr, block_expert_pt
     (64 or 128: 64-row tiles, BLOCK_M / 64 a block). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    gl.static_assert(BLOCK_M % TILE_M == 0, "an alignment block is whole 64-row tiles")
+    ROWS: gl.constexpr = TILE_M * (2 if COOP else 1)  # a tile: 64 rows (ping-pong) or 128 (cooperative)
+    gl.static_assert(BLOCK_M % ROWS == 0, "an alignment block is whole tiles")
     gl.static_assert(MATMUL or not HAS_BIAS, "a bias only with gpt-oss's interleaved matmul layout")
     BLOCK_K: gl.constexpr = wd.block_type.shape[0] if MATMUL else wd.block_type.shape[1]
     N2: gl.constexpr = wd.block_type.shape[1] if MATMUL else 2 * wd.block_type.shape[0]
     gl.static_assert(N2 <= 256 and N2 % 16 == 0, "one wgmma spans the gate and up columns (2BN <= 256)")
     gl.static_assert(BLOCK_K % 8 == 0 and BLOCK_K <= 256, "the row copies are 8-element chunks")
     gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
-    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], wd.dtype)
-    a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, TILE_M, BLOCK_K], a_layout)
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([ROWS, BLOCK_K], wd.dtype)
+    a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, ROWS, BLOCK_K], a_layout)
     if MATMUL:
         b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_K, N2], wd.layout)
     else:
         b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, N2, BLOCK_K], wd.layout)
     # ready: the weight copies' expect + the producer's row hand-over
-    ready, empty, order = _ws_init_barriers(STAGES, 2)
+    ready, empty, order = _ws_init_barriers(STAGES, 2, ROWS // TILE_M)
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
     gl.warp_specialize([
         (_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
-                           num_pairs, H, I, stride_ap, stride_be, limit, alpha, BLOCK_M // TILE_M, NUM_PROGS,
+                           num_pairs, H, I, stride_ap, stride_be, limit, alpha, BLOCK_M // ROWS, NUM_PROGS,
                            GROUP_M, 0, MATMUL, HAS_BIAS, ACT)),
         (_ws_gate_up_mma_worker, (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
                                   block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be,
-                                  limit, alpha, BLOCK_M // TILE_M, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
+                                  limit, alpha, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
         (_ws_gate_up_load_worker, (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
                                    block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be,
-                                   limit, alpha, BLOCK_M // TILE_M, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
+                                   limit, alpha, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
     ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])
