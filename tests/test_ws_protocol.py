@@ -114,12 +114,16 @@ def tile_ids(tile, num_m, num_n, group_m):
 
 
 def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: bool, order: bool = True,
-                 copy_depth: int = 2):
+                 copy_depth: int = 2, coop: bool = False, skip_waits: bool = True):
     """One CTA (program pid of nprogs) of moe_down_ws_kernel (gate_up=False) or moe_gate_up_ws_kernel.
-    Some tiles (chosen by the seed) are all padding: every agent skips them (moe_gemm_ws._ws_live)."""
+    Some tiles (chosen by the seed) are all padding: every agent skips them (moe_gemm_ws._ws_live).
+    coop: the cooperative schedule (both consumers read every live tile's stages, 64 rows each; the
+    empty barriers count 2; consumer 1 skips the wgmmas of tiles whose second half is padding, chosen by
+    the seed, but waits for each stage (skip_waits; False: the mutation without those waits) and frees it:
+    moe_gemm_ws._ws_skip_tile)."""
     sim = Sim(stages, seed)
     ready = [Barrier(2 if gate_up else 1) for _ in range(stages)]
-    empty = [Barrier(1) for _ in range(stages)]
+    empty = [Barrier(2 if coop else 1) for _ in range(stages)]
     orders = [Barrier(1), Barrier(1)]
     tiles = list(range(pid, n_tiles_total, nprogs))
     dead = {t for t in tiles if random.Random(seed * 7919 + t).random() < 0.25}
@@ -166,11 +170,20 @@ def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: boo
         i = 0
         parts = {"gate", "up", "rows"} if gate_up else {"act", "w"}
         live = [t for t in tiles if t not in dead]
-        for j, _tile in enumerate(live):
-            if j % 2 != which:
-                continue
+        for j, tile in enumerate(live):
             c = j * k_tiles
-            if order and (which == 1 or i > 0):
+            if coop and which == 1 and random.Random(seed * 104729 + tile).random() < 0.3:
+                for _kt in range(k_tiles):  # a padding half: no wgmma, the stages freed in turn
+                    s = c % stages
+                    if skip_waits:
+                        yield ("wait", ready[s], (c // stages) & 1)
+                    empty[s].arrive()
+                    yield None
+                    c += 1
+                continue
+            if not coop and j % 2 != which:
+                continue
+            if order and not coop and (which == 1 or i > 0):
                 yield ("wait", orders[1 - which], (i + which - 1) & 1)
             prev = None
             for kt in range(k_tiles):
@@ -185,7 +198,7 @@ def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: boo
                     empty[(c + stages - 1) % stages].arrive()
                 prev = s
                 c += 1
-            if order:
+            if order and not coop:
                 orders[which].arrive()
             i += 1
             yield None
@@ -219,6 +232,27 @@ def test_protocol_has_no_race_and_no_deadlock(case, gate_up):
     n_tiles, k_tiles, stages, nprogs, pid = case
     for seed in range(150):
         run_protocol(n_tiles, k_tiles, stages, nprogs, pid, seed, gate_up)
+
+
+@pytest.mark.parametrize("gate_up", [False, True], ids=["down", "gate_up"])
+@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
+def test_cooperative_protocol_has_no_race_and_no_deadlock(case, gate_up):
+    n_tiles, k_tiles, stages, nprogs, pid = case
+    for seed in range(150):
+        run_protocol(n_tiles, k_tiles, stages, nprogs, pid, seed, gate_up, coop=True)
+
+
+def test_cooperative_skip_must_wait_for_each_stage():
+    """Consumer 1 freeing a padding half's stages without waiting for their fills: its arrivals can
+    complete a phase of "empty" that consumer 0 has not freed, and the producer overwrites a stage under
+    consumer 0's wgmma (or the model deadlocks)."""
+    failures = 0
+    for seed in range(300):
+        try:
+            run_protocol(9, 4, 4, 1, 0, seed, False, coop=True, skip_waits=False)
+        except AssertionError:
+            failures += 1
+    assert failures > 0
 
 
 def test_without_the_ordering_barrier_consumer_1_reads_early():
