@@ -91,7 +91,8 @@ def test_off_by_default_and_never_on_cpu_tensors():
     import moeflow.experts.triton as TE
     from moeflow.experts.triton_ws import ws_device_ok, ws_rows_ok
 
-    assert TE.WS_DOWN is False and TE.WS_GATE_UP is False  # not run on a GPU yet: nothing launches them
+    # slower than the Triton kernels at most prefill points (H100): nothing launches them by default
+    assert TE.WS_DOWN is False and TE.WS_GATE_UP is False
     assert ws_rows_ok(torch.empty(4, 64, dtype=torch.bfloat16), torch.bfloat16)
     assert not ws_rows_ok(torch.empty(4, 60, dtype=torch.bfloat16), torch.bfloat16)  # 120-byte rows
     assert not ws_rows_ok(torch.empty(4, 64), torch.bfloat16)

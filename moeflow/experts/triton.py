@@ -124,15 +124,16 @@ FLAT_DOWN: bool | None = None
 FLAT_DOWN_AUTO_K_STEPS = 16
 FLAT_GATE_UP = False
 
-# The bf16 / fp16 down GEMM (one split) as a warp-specialised ping-pong kernel written in Gluon
-# (moeflow/kernels/moe_gemm_ws.py: a producer warp feeds a TMA ring, two consumer warp groups take
-# alternate 64-row tiles so one tile's epilogue runs under the other's wgmmas; host side
-# moeflow/experts/triton_ws.py), in place of the Triton TMA kernel (linear layout) or the pointer kernel
-# (gpt-oss's matmul layout with biases). The same bits. Off: it compiles for sm_90a (tests/test_gluon_ws.py)
-# but has not run on a GPU yet; a module flag so the diagnostics and the GPU tests can A/B it.
+# The bf16 / fp16 down GEMM (one split) as a warp-specialised kernel written in Gluon
+# (moeflow/kernels/moe_gemm_ws.py: a producer warp feeds a TMA ring, two consumer warp groups share
+# 128-row tiles (WS_COOP) or take alternate 64-row ones; host side moeflow/experts/triton_ws.py), in
+# place of the Triton TMA kernel (linear layout) or the pointer kernel (gpt-oss's matmul layout with
+# biases). The same bits (GPU test). Off: on the H100 (2026-12-05) it ran at 0.76-0.95x the table's
+# Triton down at qwen3 / deepseek-v3 / gpt-oss T = 8192 and 1.10x at mixtral; a module flag so the
+# diagnostics and the GPU tests can A/B it.
 WS_DOWN = False
 # The same schedule for the gate_up (moe_gemm_ws.moe_gate_up_ws_kernel: a producer warp group gathers the
-# activation rows by cp.async beside the weight boxes' TMA). Off for the same reason.
+# activation rows by cp.async beside the weight boxes' TMA). Off: 0.68-1.02x the Triton gate_up (H100).
 WS_GATE_UP = False
 # Their schedule where the plan's blocks are 128 rows: cooperative (True: both consumer warp groups on one
 # 128-row tile, 64 rows each, sharing the stage's weight box, as the Triton kernels' 8 warps do) or

@@ -1,4 +1,5 @@
-"""Gluon kernels (Hopper): the aligned gate_up and down GEMMs, warp-specialised ping-pong (issue 16 item 1).
+"""Gluon kernels (Hopper): the aligned gate_up and down GEMMs, warp-specialised (issue 16 item 1):
+cooperative or ping-pong.
 
 Why Gluon: the Triton kernels of moe_gemm_tma.py leave the tensor pipe 65-76% busy at prefill
 (ncu, RESULTS.md 2026-12-04): one 8-warp CTA per SM both issues the copies and runs the wgmmas,
@@ -46,9 +47,21 @@ Gluon detail: a constexpr reaches a worker partition as a constexpr only when wr
 argument tuple (a tuple bound to a name first turns it into a runtime value): the calls below spell
 their arguments out.
 
-Status: compiled offline for sm_90a only (tests/test_gluon_ws.py; the synchronisation is
-model-checked in tests/test_ws_protocol.py); not yet run on a GPU, so nothing launches them by
-default (moeflow.experts.triton: WS_DOWN, WS_GATE_UP).
+The cooperative schedule (COOP; a 128-row tile, BM 128 plans): the producer fills a stage with the
+tile's 128 act rows and the weight box; both consumers read every stage, consumer WHICH the rows
+[WHICH * 64, WHICH * 64 + 64), so a weight box serves 128 rows as in the Triton kernels' 8 warps; the
+"empty" barriers count both consumers' arrivals and there are no turns (both start at ring position
+0). A block whose second 64 rows are padding: consumer 1 issues no wgmma but still waits for each of
+the tile's stages before freeing it (an earlier arrival would count towards a phase consumer 0 has not
+freed). Ping-pong reads each weight box for 64 rows: twice the weight traffic a FLOP. On the H100
+(2026-12-05, benchmarks/RESULTS.md) ping-pong ran at 0.33-0.53x the Triton kernels' speed, DRAM-bound;
+cooperative at 0.62-1.10x.
+
+Status: the same bits as the Triton kernels on the H100 (tests/test_experts_triton.py
+::test_gpu_ws_kernels_equal_the_triton_kernels_bitwise, both schedules, graph replay); compiled
+offline for sm_90a in the CPU suite (tests/test_gluon_ws.py); the synchronisation model-checked
+(tests/test_ws_protocol.py). Slower than the Triton kernels at most prefill points, so nothing
+launches them by default (moeflow.experts.triton: WS_DOWN, WS_GATE_UP, WS_COOP).
 """
 
 from __future__ import annotations
@@ -169,7 +182,7 @@ def _ws_skip_tile(a_bufs, ready, empty, j, k_tiles):
     consumers: an arrival before it would count towards that earlier phase) and free it."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     c = j * k_tiles
-    for kt in range(k_tiles):
+    for _kt in range(k_tiles):
         s = c % STAGES
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
         mbarrier.arrive(empty.index(s), count=1)
