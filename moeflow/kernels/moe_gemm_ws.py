@@ -162,16 +162,20 @@ def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: 
 
 
 @gluon.jit
-def _ws_my_rows(sorted_ptr, pid_r, j, num_pairs, ROWS: gl.constexpr, WHICH: gl.constexpr):
-    """(first row, mine) of consumer WHICH in the CTA's j-th live tile pid_r of ROWS rows: ping-pong
-    (ROWS 64) the whole tile, its own when j % 2 == WHICH; cooperative (ROWS 128) rows
-    [WHICH * 64, WHICH * 64 + 64), its own when they hold a pair."""
+def _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH: gl.constexpr):
+    """(first row, mine) of consumer WHICH in the CTA's j-th live tile pid_r (a_bufs' ROWS rows):
+    ping-pong (ROWS 64) the whole tile, its own when j % 2 == WHICH; cooperative (ROWS 128) rows
+    [WHICH * 64, WHICH * 64 + 64), its own when they hold a pair; when they do not, the consumer
+    passes the tile's stages here (_ws_skip_tile)."""
+    ROWS: gl.constexpr = a_bufs.type.shape[1]
     if ROWS == TILE_M:
         row0 = pid_r * ROWS
         mine = j % 2 == WHICH
     else:
         row0 = pid_r * ROWS + WHICH * TILE_M
         mine = _ws_live(sorted_ptr, row0, num_pairs)
+        if not mine:
+            _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
     return row0, mine
 
 
@@ -254,10 +258,7 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, 
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
-            row0, mine = _ws_my_rows(sorted_ptr, pid_r, j, num_pairs, ROWS, WHICH)
-            if COOP:
-                if not mine:
-                    _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
+            row0, mine = _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH)
             if mine:
                 acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL, COOP)
                 i += 1
@@ -443,10 +444,7 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
-            row0, mine = _ws_my_rows(sorted_ptr, pid_r, j, num_pairs, ROWS, WHICH)
-            if COOP:
-                if not mine:
-                    _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
+            row0, mine = _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH)
             if mine:
                 acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL, COOP)
                 i += 1
