@@ -486,6 +486,20 @@ def _any_metric(k: dict, prefix: str) -> float | None:
     return None
 
 
+# ncu's byte units -> GB
+_BYTES_GB = {"byte": 1e-9, "Kbyte": 1e-6, "Mbyte": 1e-3, "Gbyte": 1.0, "Tbyte": 1e3}
+
+
+def _bytes_gb(k: dict, name: str) -> float | None:
+    """A byte-count metric (--metrics, e.g. dram__bytes_read.sum) in GB, in any section."""
+    for rows in k["sections"].values():
+        if name in rows:
+            unit, value = rows[name]
+            v = _num(value)
+            return v * _BYTES_GB[unit] if v is not None and unit in _BYTES_GB else None
+    return None
+
+
 def short_name(name: str) -> str:
     """A kernel's short name: Triton kernels keep theirs; C++ ones lose return type, namespaces,
     template arguments and parameters (void at::native::foo<...>(...) -> foo)."""
@@ -525,6 +539,8 @@ def kernel_row(case: str, k: dict, spills: dict[str, int]) -> dict:
         sm_pct=_pct(k, "GPU Speed Of Light", "Compute (SM) Throughput"),
         tensor_pct=max(tensor) if tensor else None,
         dram_GBps=bw_gbps,
+        dram_read_GB=_bytes_gb(k, "dram__bytes_read.sum"),
+        dram_write_GB=_bytes_gb(k, "dram__bytes_write.sum"),
         l2_hit_pct=_pct(k, "Memory Workload Analysis", "L2 Hit Rate"),
         occ_achieved_pct=_pct(k, "Occupancy", "Achieved Occupancy"),
         occ_theoretical_pct=_pct(k, "Occupancy", "Theoretical Occupancy"),
@@ -568,7 +584,7 @@ def _smem_kb(k: dict) -> float | None:
 
 
 COLUMNS = ["case", "kernel", "grid", "block", "duration_us", "limiter", "dram_pct", "mem_pct", "sm_pct", "tensor_pct",
-           "dram_GBps", "l2_hit_pct", "occ_achieved_pct", "occ_theoretical_pct", "regs", "spills", "waves",
+           "dram_GBps", "dram_read_GB", "dram_write_GB", "l2_hit_pct", "occ_achieved_pct", "occ_theoretical_pct", "regs", "spills", "waves",
            "smem_KB", "top_stall"]
 
 
@@ -650,7 +666,8 @@ def summarize(outdir: str | Path, *, quiet: bool = False) -> list[dict]:
               "compute; all < 40%: latency, with waves < 1 or achieved occupancy < 25% named); "
               "dram/mem/sm_pct = DRAM / Memory / Compute (SM) Throughput, % of peak (SpeedOfLight); "
               "tensor_pct = tensor pipe cycles active, % of peak (gmma or hmma, when ncu_profile.sh found the "
-              "metric); dram_GBps and l2_hit_pct from MemoryWorkloadAnalysis; occupancy from Occupancy; regs, "
+              "metric); dram_read_GB / dram_write_GB = dram__bytes_read / _write.sum (when ncu_profile.sh found "
+              "them); dram_GBps and l2_hit_pct from MemoryWorkloadAnalysis; occupancy from Occupancy; regs, "
               "waves, smem_KB (dynamic shared memory per block) from LaunchStats; spills = Triton's n_spills of "
               "that kernel name (max over its compiled variants); top_stall = WarpStateStats' rule text")
     gpu_line = [f"GPU (nvidia-smi): {' '.join(gpu[1:])} [{gpu[0]}]", ""] if len(gpu) > 1 else []

@@ -59,13 +59,19 @@ for s in "${SECTIONS[@]}"; do
     echo "ncu_profile: this ncu has no section $s: left out" >&2
   fi
 done
-# Tensor-pipe utilisation: only metrics this ncu knows for this GPU (an unknown metric is an error).
+# Tensor-pipe utilisation and DRAM bytes: only metrics this ncu knows for this GPU (an unknown metric is an error).
 METRIC_ARGS=()
 known_metrics=$(timeout 20 "$NCU" --query-metrics 2>/dev/null || true)
 metrics=""
 for m in sm__pipe_tensor_op_gmma_cycles_active sm__pipe_tensor_op_hmma_cycles_active; do
   if grep -qw -- "$m" <<<"$known_metrics"; then
     metrics="${metrics:+$metrics,}$m.avg.pct_of_peak_sustained_active"
+  fi
+done
+# DRAM bytes read and written (which operand a kernel re-reads shows here, not in a throughput %)
+for m in dram__bytes_read dram__bytes_write; do
+  if grep -qw -- "$m" <<<"$known_metrics"; then
+    metrics="${metrics:+$metrics,}$m.sum"
   fi
 done
 if [ -n "$metrics" ]; then

@@ -144,6 +144,8 @@ ncu_kernels: experts_decode_t1_qwen3 path=aligned T=1 setup 1.2s warmup 3.4s
     ---------------------------------------------------------------------- ----------- ------------
     sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active           %        41.27
     sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active           %            0
+    dram__bytes_read.sum                                                          Gbyte        37.80
+    dram__bytes_write.sum                                                         Mbyte       268.40
     ---------------------------------------------------------------------- ----------- ------------
 
   void at::native::vectorized_elementwise_kernel<4, at::native::FillFunctor<float>, std::array<char *, 1>>(int, T2, T3) (16, 1, 1)x(128, 1, 1), Context 1, Stream 7, Device 0, CC 9.0
@@ -249,6 +251,7 @@ def test_parse_sample():
     assert (r0["dram_pct"], r0["mem_pct"], r0["sm_pct"]) == (58.10, 61.23, 11.45)
     assert r0["tensor_pct"] == pytest.approx(41.27)
     assert r0["dram_GBps"] == pytest.approx(2780.0)
+    assert r0["dram_read_GB"] == pytest.approx(37.8) and r0["dram_write_GB"] == pytest.approx(0.2684)
     assert r0["l2_hit_pct"] == 30.71 and r0["occ_achieved_pct"] == 11.87 and r0["occ_theoretical_pct"] == 12.5
     assert r0["regs"] == 168 and r0["waves"] == 1.45 and r0["spills"] == 24
     assert r0["smem_KB"] == pytest.approx(73.73)
@@ -257,6 +260,7 @@ def test_parse_sample():
     assert r1["kernel"] == "vectorized_elementwise_kernel" and r1["limiter"] == "latency: 0.02 waves"
     assert r1["duration_us"] == pytest.approx(1.94) and r1["dram_GBps"] == pytest.approx(0.512)
     assert r1["l2_hit_pct"] is None and r1["tensor_pct"] is None and r1["spills"] is None
+    assert r1["dram_read_GB"] is None and r1["dram_write_GB"] is None
     assert r1["smem_KB"] == 0 and r1["regs"] == 16 and r1["top_stall"] == ""
 
 
@@ -376,7 +380,8 @@ if args == ["--list-sections"]:
     print("LaunchStats  Launch Statistics"); print("Occupancy  Occupancy"); print("WarpStateStats  Warp State")
     print("ComputeWorkloadAnalysis  Compute"); print("MemoryWorkloadAnalysis_Chart  Memory chart"); sys.exit(0)
 if args == ["--query-metrics"]:
-    print("sm__pipe_tensor_op_hmma_cycles_active   # of cycles where HMMA tensor pipe was active"); sys.exit(0)
+    print("sm__pipe_tensor_op_hmma_cycles_active   # of cycles where HMMA tensor pipe was active")
+    print("dram__bytes_read   # of bytes read from DRAM"); sys.exit(0)
 with_value = {{"--clock-control", "--target-processes", "--profile-from-start", "--section", "--print-summary", "--metrics"}}
 i = 0
 while i < len(args) and args[i].startswith("--"):
@@ -411,7 +416,7 @@ def test_profile_script_with_stand_in_ncu(tmp_path):
     assert ("FAKE-NCU-ARGS --clock-control none --target-processes application-only --profile-from-start off "
             "--section SpeedOfLight "
             "--section ComputeWorkloadAnalysis --section Occupancy --section LaunchStats --section WarpStateStats "
-            "--metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active "
+            "--metrics sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active,dram__bytes_read.sum "
             "--print-summary none") in txt
     assert "PASS experts_decode_t1_qwen3" in txt
     assert "ncu_kernels: experts_decode_t1_qwen3 compiled" in (out / "prewarm.log").read_text()
