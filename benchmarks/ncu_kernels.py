@@ -53,6 +53,9 @@ class Case:
     T: int
     what: str
     tiny_T: int = 0  # T under --tiny (0: the same T)
+    # experts cases: every token's row is one row of x (a stride-0 view: the gate_up's gathered rows always
+    # hit L2), so ncu's DRAM bytes against the same case without it split weight from row traffic
+    x_one_row: bool = False
 
     @property
     def tiny_shape(self) -> str:
@@ -99,6 +102,12 @@ CASES: tuple[Case, ...] = (
          "TritonExperts() T=8192 with the Gluon gate_up and down", tiny_T=64),
     Case("ws_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
          "TritonExperts() T=8192 with the Gluon gate_up and down", tiny_T=64),
+    # the same two with x one row (x_one_row): which operand the kernels re-read from DRAM (the cooperative
+    # Gluon gate_up read 36.4 GB for 15 GB of weights, H100 2026-12-05)
+    Case("ws_prefill_t8192_deepseek_v3_x1", "experts_ws", "deepseek-v3", 8192,
+         "as ws_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
+    Case("experts_prefill_t8192_deepseek_v3_x1", "experts", "deepseek-v3", 8192,
+         "as experts_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
     Case("router_fused_t1_deepseek_v3", "router_fused", "deepseek-v3", 1,
          "router_step_cuda(fused=True) T=1: one launch (GEMM partials + last-program select)"),
     Case("router_fused_t1_qwen3", "router_fused", "qwen3-30b-a3b", 1, "router_step_cuda(fused=True) T=1"),
@@ -185,11 +194,14 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     w = make_weights(spec, dev, dtype=dtype)
     ids, wts = routing(T, E, K, "uniform", dev, seed=0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, dtype)
+    if case.x_one_row:  # [T, H] view of one row (stride 0): the experts accept it (unit stride along H)
+        x = x[:1].expand(T, H)
     n_distinct = int(torch.unique(ids).numel())
     bias_el = (2 * I + H) if spec["bias"] else 0
     facts = dict(shape=spec["name"], T=T, E=E, K=K, H=H, I=I, dtype=str(dtype), distinct_experts=n_distinct,
-                 bytes=n_distinct * (3 * H * I + bias_el) * w.dtype.itemsize + 2 * T * H * w.dtype.itemsize,
-                 flops=2 * 3 * H * I * T * K)
+                 bytes=n_distinct * (3 * H * I + bias_el) * w.dtype.itemsize
+                 + ((1 if case.x_one_row else T) + T) * H * w.dtype.itemsize,  # x read, y written
+                 flops=2 * 3 * H * I * T * K, x_one_row=case.x_one_row)
     return dict(spec=spec, w=w, cfg=make_config(spec), ids=ids, wts=wts, x=x, facts=facts)
 
 

@@ -214,7 +214,8 @@ def test_list_and_names():
             "experts_prefill_t8192_deepseek_v3", "experts_prefill_t2048_mixtral",
             "experts_prefill_t512_gpt_oss", "experts_prefill_t8192_gpt_oss", "experts_prefill_t8192_ds_v41",
             "experts_prefill_t2048_qwen3", "gmm_prefill_t8192_qwen3", "gmm_prefill_t8192_deepseek_v3",
-            "ws_prefill_t8192_qwen3", "ws_prefill_t8192_deepseek_v3",
+            "ws_prefill_t8192_qwen3", "ws_prefill_t8192_deepseek_v3", "ws_prefill_t8192_deepseek_v3_x1",
+            "experts_prefill_t8192_deepseek_v3_x1",
             "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3", "quant_fp8_decode_t2_deepseek_v3",
             "quant_fp8_prefill_t8192_qwen3"} == set(names)
@@ -344,7 +345,8 @@ def _interp_env() -> dict:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("case", ["experts_decode_t1_qwen3", "gmm_prefill_t8192_qwen3", "quant_mxfp4_gemv_t1_gpt_oss", "quant_fp8_prefill_t8192_qwen3",
+@pytest.mark.parametrize("case", ["experts_decode_t1_qwen3", "experts_prefill_t8192_deepseek_v3_x1",
+                                  "gmm_prefill_t8192_qwen3", "quant_mxfp4_gemv_t1_gpt_oss", "quant_fp8_prefill_t8192_qwen3",
                                   "router_fused_t1_deepseek_v3"])
 def test_tiny_case_runs_under_interpreter(case, tmp_path):
     info = tmp_path / "info.json"
@@ -355,6 +357,10 @@ def test_tiny_case_runs_under_interpreter(case, tmp_path):
     facts = json.loads(info.read_text())
     assert facts["case"] == case and facts["tiny"] is True and facts["output_finite"] is True
     assert facts["bytes"] > 0 and facts["flops"] > 0
+    if case.endswith("_x1"):  # every token the same row of x: x counted once in the bytes
+        assert facts["x_one_row"] is True
+        assert facts["bytes"] == (facts["distinct_experts"] * 3 * facts["H"] * facts["I"]
+                                  + (1 + facts["T"]) * facts["H"]) * 4  # f32 under --tiny
     if case.startswith("router_fused"):
         assert facts["fused_ran"] is True
     if case.startswith("quant_mxfp4_gemv"):
