@@ -10,17 +10,20 @@ gate/up columns and biases (in place of the pointer kernels). The kernels give t
 bits: every output element sums the same products in the same K order (k16 wgmma steps, one split),
 whatever BM / BN / BK and however the tiles are scheduled. So this module picks its own tiles from the
 plan's:
-    BM  the alignment's block (act_PI is padded per expert to BM rows), 64 or 128; a consumer tile
-        is 64 rows (a warp group's wgmma M), so a block is BM / 64 tiles and a tile of padding
-        only (the second half of a block with <= 64 pairs) is skipped
+    BM  the alignment's block (act_PI is padded per expert to BM rows), 64 or 128. A consumer
+        takes 64 rows a tile (a warp group's wgmma M). coop (BM 128 only): both consumers share a
+        128-row tile, 64 rows each; else ping-pong: alternate 64-row tiles, BM / 64 a block. Rows of
+        padding only (the second half of a block with <= 64 pairs) are skipped either way
     BN  a power of two (Triton's block shapes) at most 256 for down and 128 for gate_up (one wgmma's
         N: 2BN for gate_up; one consumer's f32 accumulator is then 64 * N / 128 <= ACC_REGS registers
         a thread): the plan's where it fits, else the widest of COLUMN_TILES that does. The linear
         layout needs BN to divide the output width (the weight view [E * N, K] runs on into the next
         expert); in the matmul layout the columns are the view's inner dimension, so the last tile may
         run past them (TMA fills zeros, the stores are masked): gpt-oss's 2880 takes 256 / 128 tiles.
-    BK  the plan's (gate_up: 64 where the plan's leaves fewer than GU_MIN_STAGES stages)
-    STAGES as many ring stages as fit SMEM_BYTES, at most MAX_STAGES.
+    BK  the plan's, else 64 (where the plan's does not divide the reduction or, for gate_up, leaves
+        fewer than GU_MIN_STAGES stages)
+    STAGES as many ring stages as fit SMEM_BYTES, at most MAX_STAGES (a stage holds the tile's act
+        rows, 128 coop / 64 ping-pong, and the weight box).
 
 Importing this module imports neither Triton nor Gluon (they load at the first launch).
 """

@@ -305,11 +305,12 @@ def moe_down_ws_kernel(ad, wd, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_p
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] (+ b_d[e(p)]) like moe_gemm_tma.moe_down_tma_kernel / moe_gemm's
     moe_down_kernel with one split.
 
-    ad: Gluon TensorDescriptor over act_PI [P, I], block [64, BK]; wd: over down viewed [E * H, I],
+    ad: Gluon TensorDescriptor over act_PI [P, I], block [ROWS, BK] (ROWS 64: ping-pong; 128: cooperative,
+    BLOCK_M 128 only); wd: over down viewed [E * H, I],
     block [BN, BK] (linear), or viewed [E * I, H], block [BK, BN] (MATMUL) (NVMMASharedLayout.get_default_for
     their block, bf16 / fp16); y_ptr: y_NH [N, H] rows by pair (stride_yn); b_ptr: b_d [E, H] (HAS_BIAS;
-    else any pointer). BLOCK_M the alignment's block (64 or 128: 64-row tiles, BLOCK_M / 64 a block, the
-    all-padding ones skipped). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition);
+    else any pointer). BLOCK_M the alignment's block (64 or 128: BLOCK_M / ROWS tiles; all-padding tiles, and
+    in the cooperative schedule all-padding 64-row halves, skipped). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition);
     the workers add CONSUMER_WARPS + PRODUCER_WARPS. BN <= 256 (one wgmma's N), BK | I; BN | H in the
     linear layout (MATMUL: the last column tile may run past H: TMA fills zeros, the store is masked).
     """
@@ -504,7 +505,8 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, b_ptr, sorted_ptr, block_expert_pt
     (MATMUL) over gate_up [E, H, 2I] (gate / up columns interleaved) viewed [E * H, 2I], block [BK, 2BN];
     x_ptr [*, H] rows of the tokens (unit column stride, 16-byte aligned rows: cp.async), act_ptr act_PI
     [P, I], b_ptr b_gu [E, 2I] (HAS_BIAS, interleaved; else any pointer); BLOCK_M the alignment's block
-    (64 or 128: 64-row tiles, BLOCK_M / 64 a block). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
+    (64 or 128); COOP: the cooperative schedule (128-row tiles, BLOCK_M 128), else ping-pong (64-row
+    tiles). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
     ROWS: gl.constexpr = TILE_M * (2 if COOP else 1)  # a tile: 64 rows (ping-pong) or 128 (cooperative)
