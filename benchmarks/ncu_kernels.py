@@ -56,6 +56,9 @@ class Case:
     # experts cases: every token's row is one row of x (a stride-0 view: the gate_up's gathered rows always
     # hit L2), so ncu's DRAM bytes against the same case without it split weight from row traffic
     x_one_row: bool = False
+    # experts cases: tune_experts.routing's distribution ("balanced": every expert T * K / E rows, so at
+    # deepseek-v3 T=4096 each expert is one 128-row tile whose weights no other tile reads)
+    dist: str = "uniform"
 
     @property
     def tiny_shape(self) -> str:
@@ -108,6 +111,28 @@ CASES: tuple[Case, ...] = (
          "as ws_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
     Case("experts_prefill_t8192_deepseek_v3_x1", "experts", "deepseek-v3", 8192,
          "as experts_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
+    # balanced routing (Case.dist): every expert exactly 128 (T=4096) or 256 (T=8192) rows, no padding. At
+    # T=4096 no two tiles read the same weights, so DRAM bytes near the weights' 22.5 GB in both kernels
+    # and a WS kernel reading twice that at T=8192 say the cooperative CTAs lose the L2 sharing of a weight
+    # box between an expert's M tiles
+    Case("ws_prefill_t4096_deepseek_v3_bal", "experts_ws", "deepseek-v3", 4096,
+         "Gluon gate_up and down, T=4096, balanced routing (128 rows an expert)", tiny_T=64, dist="balanced"),
+    Case("experts_prefill_t4096_deepseek_v3_bal", "experts", "deepseek-v3", 4096,
+         "TritonExperts() T=4096, balanced routing (128 rows an expert)", tiny_T=64, dist="balanced"),
+    Case("ws_prefill_t8192_deepseek_v3_bal", "experts_ws", "deepseek-v3", 8192,
+         "Gluon gate_up and down, T=8192, balanced routing (256 rows an expert)", tiny_T=64, dist="balanced"),
+    Case("experts_prefill_t8192_deepseek_v3_bal", "experts", "deepseek-v3", 8192,
+         "TritonExperts() T=8192, balanced routing (256 rows an expert)", tiny_T=64, dist="balanced"),
+    # Zipf routing (tune_experts.routing's "zipf") at the T=8192 points issue 16 item 1 misses: its padding
+    # and its few hot experts (many 128-row tiles of one expert) against the uniform cases above
+    Case("experts_prefill_t8192_qwen3_zipf", "experts", "qwen3-30b-a3b", 8192, "TritonExperts() T=8192, Zipf routing",
+         tiny_T=64, dist="zipf"),
+    Case("experts_prefill_t8192_deepseek_v3_zipf", "experts", "deepseek-v3", 8192,
+         "TritonExperts() T=8192, Zipf routing", tiny_T=64, dist="zipf"),
+    Case("experts_prefill_t8192_gpt_oss_zipf", "experts", "gpt-oss-120b", 8192, "TritonExperts() T=8192, Zipf routing",
+         tiny_T=64, dist="zipf"),
+    Case("experts_prefill_t8192_ds_v41_zipf", "experts", "ds-v4.1-like", 8192, "TritonExperts() T=8192, Zipf routing",
+         tiny_T=64, dist="zipf"),
     Case("router_fused_t1_deepseek_v3", "router_fused", "deepseek-v3", 1,
          "router_step_cuda(fused=True) T=1: one launch (GEMM partials + last-program select)"),
     Case("router_fused_t1_qwen3", "router_fused", "qwen3-30b-a3b", 1, "router_step_cuda(fused=True) T=1"),
@@ -192,7 +217,7 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     T = (case.tiny_T or case.T) if tiny else case.T
     E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
     w = make_weights(spec, dev, dtype=dtype)
-    ids, wts = routing(T, E, K, "uniform", dev, seed=0)
+    ids, wts = routing(T, E, K, case.dist, dev, seed=0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, dtype)
     if case.x_one_row:  # [T, H] view of one row (stride 0): the experts accept it (unit stride along H)
         x = x[:1].expand(T, H)
@@ -201,7 +226,7 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     facts = dict(shape=spec["name"], T=T, E=E, K=K, H=H, I=I, dtype=str(dtype), distinct_experts=n_distinct,
                  bytes=n_distinct * (3 * H * I + bias_el) * w.dtype.itemsize
                  + ((1 if case.x_one_row else T) + T) * H * w.dtype.itemsize,  # x read, y written
-                 flops=2 * 3 * H * I * T * K, x_one_row=case.x_one_row)
+                 flops=2 * 3 * H * I * T * K, x_one_row=case.x_one_row, routing=case.dist)
     return dict(spec=spec, w=w, cfg=make_config(spec), ids=ids, wts=wts, x=x, facts=facts)
 
 

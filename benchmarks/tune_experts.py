@@ -118,8 +118,18 @@ def routing(T: int, E: int, K: int, dist: str, device, seed: int = 0):
     """ids [T, K] int32 (distinct per row) and weights [T, K] f32 from a fixed seed.
 
     uniform: every expert equally likely; zipf: p(expert of rank r) ~ 1 / (r + 1)^1.2 over a
-    fixed random ranking, K drawn without replacement (Gumbel top-k).
+    fixed random ranking, K drawn without replacement (Gumbel top-k); balanced: pair (t, k) goes to
+    expert (t * K + k) % E (K <= E), so every expert gets T * K / E rows, +-1: no tile is padding when
+    that is a multiple of BM. It separates a kernel's own speed from the padding of random routing,
+    and an expert of exactly BM rows is one tile, whose weights no other tile reads.
     """
+    if dist == "balanced":
+        if K > E:
+            raise ValueError(f"routing dist 'balanced': top_k {K} > num_experts {E}")
+        pair = torch.arange(T * K, dtype=torch.int64).view(T, K)
+        g = torch.Generator().manual_seed(seed * 1000003 + T * 31 + 13)
+        wts = torch.softmax(torch.randn(T, K, generator=g), dim=1)
+        return (pair % E).to(torch.int32).to(device), wts.to(device)
     g = torch.Generator().manual_seed(seed * 1000003 + T * 31 + (0 if dist == "uniform" else 7))
     if dist == "uniform":
         keys = torch.rand(T, E, generator=g)
@@ -129,7 +139,7 @@ def routing(T: int, E: int, K: int, dist: str, device, seed: int = 0):
         u = torch.rand(T, E, generator=g, dtype=torch.float64).clamp_(1e-12, 1 - 1e-12)
         keys = logp[None, :] - torch.log(-torch.log(u))
     else:
-        raise ValueError(f"routing dist {dist!r}: expected 'uniform' or 'zipf'")
+        raise ValueError(f"routing dist {dist!r}: expected 'uniform', 'zipf' or 'balanced'")
     ids = keys.topk(K, dim=1).indices.to(torch.int32)
     wts = torch.softmax(torch.randn(T, K, generator=g), dim=1)
     return ids.to(device), wts.to(device)

@@ -215,7 +215,11 @@ def test_list_and_names():
             "experts_prefill_t512_gpt_oss", "experts_prefill_t8192_gpt_oss", "experts_prefill_t8192_ds_v41",
             "experts_prefill_t2048_qwen3", "gmm_prefill_t8192_qwen3", "gmm_prefill_t8192_deepseek_v3",
             "ws_prefill_t8192_qwen3", "ws_prefill_t8192_deepseek_v3", "ws_prefill_t8192_deepseek_v3_x1",
-            "experts_prefill_t8192_deepseek_v3_x1",
+            "experts_prefill_t8192_deepseek_v3_x1", "ws_prefill_t4096_deepseek_v3_bal",
+            "experts_prefill_t4096_deepseek_v3_bal", "ws_prefill_t8192_deepseek_v3_bal",
+            "experts_prefill_t8192_deepseek_v3_bal", "experts_prefill_t8192_qwen3_zipf",
+            "experts_prefill_t8192_deepseek_v3_zipf", "experts_prefill_t8192_gpt_oss_zipf",
+            "experts_prefill_t8192_ds_v41_zipf",
             "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3", "quant_fp8_decode_t2_deepseek_v3",
             "quant_fp8_prefill_t8192_qwen3"} == set(names)
@@ -346,6 +350,7 @@ def _interp_env() -> dict:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
 @pytest.mark.parametrize("case", ["experts_decode_t1_qwen3", "experts_prefill_t8192_deepseek_v3_x1",
+                                  "experts_prefill_t4096_deepseek_v3_bal",
                                   "gmm_prefill_t8192_qwen3", "quant_mxfp4_gemv_t1_gpt_oss", "quant_fp8_prefill_t8192_qwen3",
                                   "router_fused_t1_deepseek_v3"])
 def test_tiny_case_runs_under_interpreter(case, tmp_path):
@@ -361,6 +366,8 @@ def test_tiny_case_runs_under_interpreter(case, tmp_path):
         assert facts["x_one_row"] is True
         assert facts["bytes"] == (facts["distinct_experts"] * 3 * facts["H"] * facts["I"]
                                   + (1 + facts["T"]) * facts["H"]) * 4  # f32 under --tiny
+    if case.endswith("_bal"):  # balanced routing: every expert T * K / E rows
+        assert facts["routing"] == "balanced" and facts["distinct_experts"] == facts["E"]
     if case.startswith("router_fused"):
         assert facts["fused_ran"] is True
     if case.startswith("quant_mxfp4_gemv"):

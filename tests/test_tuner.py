@@ -159,3 +159,21 @@ def test_bi_families_free_bk_and_order():
     free = fams[0][0]
     assert free[1].gate_up.block_k == 64 and free[8192].gate_up.block_k == 128
     assert all(c.down.split_k == 1 for f in fams for c in f[0].values())  # never the split-2 best
+
+
+def test_balanced_routing_gives_every_expert_the_same_rows():
+    import torch
+
+    import benchmarks.tune_experts as tune
+
+    T, E, K = 96, 16, 4
+    ids, wts = tune.routing(T, E, K, "balanced", "cpu")
+    assert ids.dtype == torch.int32 and ids.shape == (T, K) and wts.shape == (T, K)
+    assert all(len(set(row.tolist())) == K for row in ids)  # distinct experts per token
+    counts = torch.bincount(ids.flatten().long(), minlength=E)
+    assert counts.tolist() == [T * K // E] * E
+    torch.testing.assert_close(wts.sum(1), torch.ones(T))
+    with pytest.raises(ValueError, match="top_k 20 > num_experts 16"):
+        tune.routing(T, E, 20, "balanced", "cpu")
+    with pytest.raises(ValueError, match="'uniform', 'zipf' or 'balanced'"):
+        tune.routing(T, E, K, "skewed", "cpu")
