@@ -111,10 +111,9 @@ CASES: tuple[Case, ...] = (
          "as ws_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
     Case("experts_prefill_t8192_deepseek_v3_x1", "experts", "deepseek-v3", 8192,
          "as experts_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
-    # balanced routing (Case.dist): every expert exactly 128 (T=4096) or 256 (T=8192) rows, no padding. At
-    # T=4096 no two tiles read the same weights, so DRAM bytes near the weights' 22.5 GB in both kernels
-    # and a WS kernel reading twice that at T=8192 say the cooperative CTAs lose the L2 sharing of a weight
-    # box between an expert's M tiles
+    # balanced routing (Case.dist): every expert exactly 128 (T=4096) or 256 (T=8192) rows, no padding: the
+    # kernels' own speed. On the H100 (2026-12-06, RESULTS.md) both gate_up kernels read each weight once at
+    # T=8192 balanced (15.4 GB), where the cooperative Gluon one read them 2.4 times at uniform routing
     Case("ws_prefill_t4096_deepseek_v3_bal", "experts_ws", "deepseek-v3", 4096,
          "Gluon gate_up and down, T=4096, balanced routing (128 rows an expert)", tiny_T=64, dist="balanced"),
     Case("experts_prefill_t4096_deepseek_v3_bal", "experts", "deepseek-v3", 4096,
