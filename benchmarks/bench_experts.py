@@ -18,7 +18,11 @@ on the same bf16 weights and inputs:
     torch_gmm      two torch grouped GEMMs (+ activation) on tokens already permuted by expert:
                    the best a user gets from plain PyTorch (no routing, permutation or combine)
 Every implementation is checked against an fp32 reference (rel-L2 <= 2e-2) before it is timed;
-a wrong one is reported and not timed. Times are medians of >= 20 CUDA-event timings with L2
+a wrong one is reported and not timed. --rotation: the graph rows of moeflow, moeflow_bi, moeflow_4l
+and vllm at a point are timed round-robin (benchmarks.common.time_cuda_graphs_interleaved, --rotation
+passes) rather than one implementation after another. Why (H100, 2026-12-06, RESULTS.md): timed one after
+the other, the default and the batch-invariant mode ran the same kernels on the same inputs 6.7% and
+12% apart at two points. Times are medians of >= 20 CUDA-event timings with L2
 flushed before each (256 MB write) so weights come from HBM.
 
 Roofs measured in the same run: HBM = the fastest read-only stream over 2 GiB, bytes read / time
@@ -60,6 +64,7 @@ from benchmarks.common import (  # noqa: E402
     time_cpu,
     time_cuda,
     time_cuda_graph,
+    time_cuda_graphs_interleaved,
 )
 from benchmarks.tune_experts import (  # noqa: E402
     make_config,
@@ -170,10 +175,11 @@ def rel_l2(a, b) -> float:
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
-def vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T) -> None:
+def vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T, rotation: dict | None = None) -> None:
     """The vLLM 0.33 fused-MoE peer (benchmarks/peers/vllm_fused_moe.py) at this point: its eager
     row through `add` (checked against the fp32 reference there), then its CUDA-graph row; both
-    appended to `rows` with the config vLLM would pick (`vllm_config`, `vllm_config_source`)."""
+    appended to `rows` with the config vLLM would pick (`vllm_config`, `vllm_config_source`).
+    rotation (a dict, --rotation): its fn goes there for bench_point's round-robin timing instead."""
     try:
         peer = _vllm_peer(spec, w)
     except ValueError as e:
@@ -187,6 +193,9 @@ def vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T) -> None:
     add("vllm", "eager", fn, fn)
     eager = rows[-1]
     eager.update(vllm_config=config, vllm_config_source=source)
+    if eager["status"] == "ok" and rotation is not None:
+        rotation["vllm"] = (fn, dict(vllm_config=config, vllm_config_source=source))
+        return
     if eager["status"] != "ok" or timers.get("graph") is None:
         return
     row = dict(base, impl="vllm", mode="graph", vllm_config=config, vllm_config_source=source)
@@ -196,6 +205,37 @@ def vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T) -> None:
     except Exception as e:
         row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
     rows.append(row)
+
+
+def rotation_rows(rotation: dict, base: dict, rows: list[dict], timers: dict) -> None:
+    """Time rotation's fns round-robin (timers["rotation"]: {name: fn} -> {name: seconds}) and append one
+    row each: mode "graph" (CUDA graphs, what summarize reads) or "rotation" (the CPU dry run's plain
+    calls, which summarize leaves out)."""
+    mode = timers.get("rotation_mode", "graph")
+    try:
+        times = timers["rotation"]({name: fn for name, (fn, _) in rotation.items()})
+    except Exception as e:
+        for name, (_, extra) in rotation.items():
+            rows.append(dict(base, impl=name, mode=mode, **extra, status=f"error: {type(e).__name__}: {str(e)[:160]}"))
+        return
+    for name, (_, extra) in rotation.items():
+        t = times[name]
+        rows.append(dict(base, impl=name, mode=mode, **extra, time_s=t, roof_frac=base["floor_s"] / t,
+                         status="ok (round-robin, checked eager)"))
+
+
+def _cpu_rotation(fns: dict, rounds: int, reps: int) -> dict:
+    """The dry run's stand-in for time_cuda_graphs_interleaved: plain calls, round-robin, median."""
+    times = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+    return {name: sorted(ts)[len(ts) // 2] for name, ts in times.items()}
 
 
 _VLLM_PEERS: dict = {}
@@ -247,6 +287,8 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
         rows.append(row)
 
+    # --rotation: name -> (fn, extra row fields) of the implementations whose graphs are timed round-robin
+    rotation = {} if getattr(args, "rotation", 0) else None
     ours = TritonExperts(allow_cpu=dev.type == "cpu", decode_max_pairs=args.decode_max_pairs)
     impls = [("moeflow", ours)]
     base["path"] = "decode" if ours.uses_decode_path(T, K, E, w) else "aligned"
@@ -259,7 +301,10 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             return impl.forward_tokens(x, ids, wts, w, cfg)
 
         add(name, "eager", fn, fn)
-        if timers.get("graph") is not None:
+        if rotation is not None:
+            if rows[-1].get("status") == "ok":
+                rotation[name] = (fn, {})
+        elif timers.get("graph") is not None:
             row = dict(base, impl=name, mode="graph")
             try:
                 t = timers["graph"](fn)
@@ -279,7 +324,9 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
                 if r["impl"] == "moeflow_bi":
                     r["bi_bitwise_vs_T1"] = bool(same)
     if args.vllm:
-        vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T)
+        vllm_point(spec, w, x, ids, wts, base, add, rows, timers, T, rotation)
+    if rotation:
+        rotation_rows(rotation, base, rows, timers)
     for hf_impl in args.hf_impls:
         if hf_impl == "batched_mm" and T * K * 3 * H * I * w.dtype.itemsize > BATCHED_MM_MAX_BYTES:
             rows.append(dict(base, impl=f"hf_{hf_impl}", mode="eager",
@@ -383,6 +430,8 @@ def main(argv=None) -> int:
     ap.add_argument("--quick", action="store_true", help=f"T in {QUICK_TOKENS}, uniform routing only")
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-bi", action="store_true", help="skip the batch-invariant mode")
+    ap.add_argument("--rotation", type=int, default=0, metavar="PASSES",
+                    help="time the graphs of ours, bi, 4l and vllm round-robin in PASSES passes (0: one after another)")
     ap.add_argument("--no-old", action="store_true", help="skip the aligned path at decode-path points")
     ap.add_argument("--decode-max-pairs", type=int, default=None,
                     help="TritonExperts(decode_max_pairs=...) for `moeflow` (default: the library default)")
@@ -411,7 +460,8 @@ def main(argv=None) -> int:
         names = ["tiny-silu", "tiny-gptoss"] if args.shapes == "all" else parse_shapes(args.shapes)
         tokens = [t for t in tokens if t <= 64] or [1, 8]
         roofs = {"hbm": 20e9, "hbm_reader": "dry run (fixed)", "hbm_copy": 20e9, "compute": 200e9}
-        timers = {"eager": lambda fn: time_cpu(fn, reps=max(3, args.reps // 10), warmup=1), "graph": None}
+        timers = {"eager": lambda fn: time_cpu(fn, reps=max(3, args.reps // 10), warmup=1), "graph": None,
+                  "rotation": lambda fns: _cpu_rotation(fns, max(1, args.rotation), 1), "rotation_mode": "rotation"}
     else:
         if not torch.cuda.is_available():
             print("bench_experts: needs CUDA (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
@@ -423,6 +473,12 @@ def main(argv=None) -> int:
                  "compute": compute_roof_flops()}
         timers = {"eager": lambda fn: time_cuda(fn, reps=args.reps, warmup=3, flush=True),
                   "graph": None if args.no_graph else (lambda fn: time_cuda_graph(fn, reps=args.reps, flush=True))}
+        if args.rotation and args.no_graph:
+            print("bench_experts: --rotation times CUDA graphs; it cannot run with --no-graph", file=sys.stderr)
+            return 2
+        # --rotation passes, each timing every graph max(1, reps // passes) times: about reps timings each
+        timers["rotation"] = lambda fns: time_cuda_graphs_interleaved(
+            fns, rounds=max(1, args.rotation), reps=max(1, args.reps // max(1, args.rotation)), flush=True)
     meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: shape_spec(n) for n in names})
     print(f"roofs: HBM read {roofs['hbm'] / 1e12:.3f} TB/s ({roofs['hbm_reader']}; copy, read + write: "
           f"{roofs['hbm_copy'] / 1e12:.3f} TB/s), "
