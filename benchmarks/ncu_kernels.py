@@ -233,9 +233,7 @@ def _setup_experts(case: Case, tiny: bool, dev):
     import moeflow.experts.triton as TE
     from moeflow.experts.triton import TritonExperts
 
-    if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
-        TE.WS_GATE_UP = TE.WS_DOWN = True
-    a = _expert_inputs(case, tiny, dev)
+    a = _expert_inputs(case, tiny, dev)  # sets the Gluon flags of an experts_ws case
     x, ids, wts, w, cfg = a["x"], a["ids"], a["wts"], a["w"], a["cfg"]
     T, K, E = a["facts"]["T"], a["facts"]["K"], a["facts"]["E"]
     impl = TritonExperts(allow_cpu=tiny)
