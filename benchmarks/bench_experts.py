@@ -444,6 +444,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, fp32")
     args = ap.parse_args(argv)
+    if args.rotation < 0:
+        ap.error(f"--rotation {args.rotation}: expected the number of round-robin passes, >= 0 (0: off)")
     t0 = time.time()
     out_dir = Path(args.out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
