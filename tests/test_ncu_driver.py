@@ -220,6 +220,11 @@ def test_list_and_names():
             "experts_prefill_t8192_deepseek_v3_bal", "experts_prefill_t8192_qwen3_zipf",
             "experts_prefill_t8192_deepseek_v3_zipf", "experts_prefill_t8192_gpt_oss_zipf",
             "experts_prefill_t8192_ds_v41_zipf",
+            "experts_prefill_t2048_qwen3_zipf", "experts_prefill_t2048_deepseek_v3_zipf",
+            "experts_prefill_t2048_gpt_oss", "experts_prefill_t2048_gpt_oss_zipf", "experts_prefill_t2048_ds_v41",
+            "experts_prefill_t2048_ds_v41_zipf", "experts_decode_t1_ds_v41", "quant_mxfp4_gemv_t2_gpt_oss",
+            "quant_mxfp4_gemv_t4_gpt_oss", "quant_mxfp4_gemv_t16_gpt_oss", "quant_mxfp4_gemv_t32_gpt_oss",
+            "quant_mxfp4_t64_gpt_oss",
             "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3", "quant_fp8_decode_t2_deepseek_v3",
             "quant_fp8_prefill_t8192_qwen3"} == set(names)
