@@ -83,8 +83,12 @@ from .triton import (
 
 _FORMAT_CODES = {"fp8_block": 0, "mxfp4": 1, "nvfp4": 2}
 _ACT_DTYPES = (torch.bfloat16, torch.float16)
-# FP8 activation quantization: groups per program of the row-quantization pass.
-_QUANT_GROUPS_PER_PROGRAM = 4
+# FP8 activation quantization: groups per program of the row-quantization pass, and its warps. H100,
+# 2026-12-06 (benchmarks/RESULTS.md; do_bench, L2 flushed): 8 groups on 2 warps against 4 on 4 took
+# 23.8 / 29.1 us at 8192 x 2048, 66.6 / 86.3 at 8192 x 7168, 21.6 / 27.1 at 2048 x 7168 (same bits:
+# each group's numbers do not depend on the split).
+_QUANT_GROUPS_PER_PROGRAM = 8
+_QUANT_WARPS = 2
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
 # on the H200 (benchmarks/RESULTS.md, 2026-12-03, seventh session): the GEMV
 # beat the MMA tiles 1.7x at T = 16 and 1.3x at T = 32 (N = 64, 128); its cost grows with pairs,
@@ -544,7 +548,7 @@ def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch
         xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
     gpp = _QUANT_GROUPS_PER_PROGRAM
     fp8_quant_rows_kernel[(M, -(-ng // gpp))](x_MH, xq, xs, M, H, x_MH.stride(0), xq.stride(0), xs.stride(0),
-                                              G=G, GPP=gpp, num_warps=4, PDL=pdl, launch_pdl=pdl)
+                                              G=G, GPP=gpp, num_warps=_QUANT_WARPS, PDL=pdl, launch_pdl=pdl)
     return xq, xs
 
 
