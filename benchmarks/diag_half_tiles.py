@@ -26,6 +26,8 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     other_bk  table with both GEMMs' BK switched 64 <-> 128 (stages cut to fit): whether BK changes the
               bits of the wgmma kernels (each k16 step joins one accumulator in order, so it should
               not; if it does not, the batch-invariant mode need not fix BK)
+    vl_tiles  our kernels on the tiles vLLM 0.33 picks at this T (benchmarks/peers/vllm_fused_moe.config_for)
+    bm32/bm64 the table's tiles on 32 / 64-row alignment blocks (GPU only, where the table's BM differs)
     roof      bf16 torch.mm 8192^3, repeated to last about as long as the step: timed in the
               same rotation, so at the same clocks
     vllm      (--vllm) vLLM 0.33's fused MoE (benchmarks/peers/vllm_fused_moe.py), same weights and
@@ -224,9 +226,19 @@ def main(argv=None) -> int:
         heuristic = None if cpu else default_config(shape_key(spec, dtype), T,
                                                     torch.cuda.get_device_properties(dev).multi_processor_count)
         named = variants(table, bi, heuristic)
+        if not cpu:  # our kernels on the tiles vLLM picks at this T, and the table's tiles on 32 / 64-row blocks
+            from benchmarks.peers.vllm_fused_moe import config_for
+
+            vc = config_for(T, E, I)[0]
+            vt = GemmTile(block_n=vc["BLOCK_SIZE_N"], block_k=vc["BLOCK_SIZE_K"], num_warps=vc["num_warps"],
+                          num_stages=vc["num_stages"], group_m=max(1, vc["GROUP_SIZE_M"]))
+            named["vl_tiles"] = MoETileConfig(block_m=vc["BLOCK_SIZE_M"], gate_up=vt, down=vt)
+            for bm in (32, 64):
+                if bm != table.block_m:
+                    named[f"bm{bm}"] = dataclasses.replace(table, block_m=bm)
         if args.variants:
             keep = {"table", *args.variants.split(",")}
-            unknown = keep - set(named) - {"half", "bi_half"}
+            unknown = keep - set(named) - {"half", "bi_half", "vl_tiles", "bm32", "bm64"}
             if unknown:
                 raise SystemExit(f"--variants: unknown {sorted(unknown)}; known {sorted(named)}")
             named = {k: v for k, v in named.items() if k in keep}
