@@ -19,8 +19,6 @@ clock drift of compute-bound steps falls on all of them alike:
                    (experts.triton.FLAT_DOWN = True; moe_gemm_fp8_tma._fp8_down_flat)
     fp8_flat       fp8 with both GEMMs flattened (FLAT_GATE_UP too: _fp8_gate_up_flat)
     bf16_flat      bf16 with the same (moe_gemm_tma._down_flat)
-    fp8_seq        fp8 with the TMA gate_up's gate K loop, then its up K loop (FP8_SEQ_GATE_UP; BM 128
-                   tiles, t:bm128*, always take this form)
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
     fp8_bi32       the same every 32 products
@@ -28,8 +26,8 @@ clock drift of compute-bound steps falls on all of them alike:
     t:<name>       forced tiles (TMA where allowed): see _TILES
 Every fp8 variant is checked against the W8A8 reference (rel-L2, max-abs) before it is timed; fp8 and
 each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels), and each
-"X_2dot" / "X_flat" / "X_flatdn" / "X_seq" with "X" (the fused, two-dot and sequential gate_up, the flat and the tiled
-down give the same bits: bitwise_vs_base), and t:bm128* with t:bm64 (128-row blocks, the same sums).
+"X_2dot" / "X_flat" / "X_flatdn" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
+same bits: bitwise_vs_base).
 
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --shapes deepseek-v3 --tokens 2048,8192 --json out.json
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --dry-run     # CPU: Triton interpreter, tiny shape
@@ -78,13 +76,8 @@ _TILES = {
     "bm64_gu4_g16_dn4w": _cfg(64, dict(_GU, num_stages=4, group_m=16), dict(_DN, num_warps=4, group_m=16)),
     "bm128": _cfg(128, _GU, _DN),
     "bm128_dnpers": _cfg(128, _GU, dict(_DN, persistent=True)),
-    # BM 128 takes the gate_up's SEQ form (FP8_SEQ_GATE_UP's comment); the down at 8 warps, BN 128
-    "bm128_gu4": _cfg(128, dict(_GU, num_stages=4), _DN),
-    "bm128_gu4_g16": _cfg(128, dict(_GU, num_stages=4, group_m=16), dict(_DN, group_m=16)),
 }
-_TILES_DRY = {"bm128": _cfg(128, dict(block_n=128, block_k=128, num_stages=1), dict(block_n=128, block_k=128,
-                                                                                       num_stages=1)),
-              "bm64": _cfg(64, dict(block_n=128, block_k=128, num_stages=1), dict(block_n=128, block_k=128,
+_TILES_DRY = {"bm64": _cfg(64, dict(block_n=128, block_k=128, num_stages=1), dict(block_n=128, block_k=128,
                                                                                      num_stages=1)),
               "bm64_pers": _cfg(64, dict(block_n=128, block_k=128, num_stages=1, persistent=True),
                                 dict(block_n=128, block_k=128, num_stages=1, persistent=True))}
@@ -103,7 +96,6 @@ def _setting(module: str, name: str, value):
 _percol = _setting("moeflow.experts.triton_quant", "FP8_SCALAR_WS", False)
 _two_dot = _setting("moeflow.experts.triton", "FUSED_GATE_UP", False)
 _flat = _setting("moeflow.experts.triton", "FLAT_DOWN", True)
-_seq = _setting("moeflow.experts.triton_quant", "FP8_SEQ_GATE_UP", True)
 
 
 @contextlib.contextmanager
@@ -145,11 +137,9 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         except Exception as exc:  # a variant that cannot run says so
             row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
         rows.append(row)
-    for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" / "X_seq" against "X"
+    for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" against "X"
         v = r["variant"]
-        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_seq")) else None
-        if v.startswith("t:bm128"):  # BM 128 blocks, the same sums in the same K order as t:bm64's BM 64
-            base = "t:bm64"
+        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn")) else None
         for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
                           ("bitwise_vs_base", outs.get(base) if base else None)):
             if v in outs and twin is not None:
@@ -198,8 +188,7 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_seq,fp8_bi,"
-                         "fp8_bi32,fp8_bi_acc,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_bi,fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
     dev = torch.device("cpu" if dry else "cuda")
     tiles = _TILES_DRY if dry else _TILES
@@ -229,8 +218,6 @@ def main(argv=None) -> int:
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
             elif v == "fp8_flatdn":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat)
-            elif v == "fp8_seq":
-                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _seq)
             elif v == "fp8_flat":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat_both)
             elif v == "bf16_flat":

@@ -122,12 +122,6 @@ FP8_SCALAR_WS = True
 # FP8_BI_MISS's cases at <= 6.4e-3 (32: the same, at 192 instead of 64 extra FADDs a K step and a
 # wait per k32; sm_90a compile of the BM 64 gate_up: 253 registers, no spill, 2 waits a K step).
 FP8_BI_IMPRECISE_ACC: int | None = 64
-# The TMA fp8 gate_up's gate K loop, then its up K loop (moe_gemm_fp8_tma SEQ), instead of one loop over
-# both: one dot result live beside the two sums, so BM 128 compiles without a spill (sm_90a, 8 warps,
-# BN 128: 255 registers, none spilled; the one-loop forms spill 228 B). BM >= 128 tiles always take it;
-# True takes it at BM 64 too (126 registers: two 8-warp CTAs fit an SM). A/B:
-# benchmarks/diag_fp8_prefill.py fp8_seq, t:bm128.
-FP8_SEQ_GATE_UP = False
 
 
 def _gemv_asm(t: torch.Tensor) -> bool:
@@ -668,8 +662,7 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
     t = plan.cfg.gate_up
     H, I = plan.H, plan.I
     sbn = w.quant.block[0]
-    seq = FP8_SEQ_GATE_UP or plan.cfg.block_m >= 128
-    fused = not seq and fused_gate_up_ok(I, t.block_n)
+    fused = fused_gate_up_ok(I, t.block_n)
     wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
     progs, flat = tma_gemm_programs(t, plan.aq_PI.device, gate_up=True)
@@ -680,7 +673,7 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
         ACT=_ACT_CODES[config.activation], SCALE_E8M0=ws.dtype == torch.uint8, PERSISTENT=progs > 0,
         NUM_PROGS=max(1, progs), BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k,
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, FUSED=fused,
-        IMPRECISE=_imprecise_acc(plan, t), FLAT=flat, SEQ=seq, launch_pdl=plan.pdl,
+        IMPRECISE=_imprecise_acc(plan, t), FLAT=flat, launch_pdl=plan.pdl,
     )
 
 

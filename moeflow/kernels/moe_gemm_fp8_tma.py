@@ -36,7 +36,7 @@ def _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
                       stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
                       ACT: tl.constexpr, SCALE_E8M0: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None, SEQ: tl.constexpr = False):
+                      FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None):
     """aq_PI / as_PG of work tile `tile` (an empty block, expert < 0, does nothing).
 
     FUSED: one [BM, 2BN] dot per K step over the gate and up rows interleaved 8 by 8 (moe_gemm_tma.py's
@@ -48,24 +48,15 @@ def _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
     if e >= 0:
         _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
                           top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
-                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE,
-                          SEQ)
+                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE)
 
 
 @triton.jit
 def _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
                       top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
                       stride_as, limit, alpha, ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, IMPRECISE: tl.constexpr,
-                      SEQ: tl.constexpr = False):
-    """aq_PI / as_PG of block pid_m (expert e >= 0), columns pid_n*BN.. of I (_fp8_gate_up_tile's body).
-
-    SEQ (two-dot form): the gate's whole K loop, then the up's, instead of both in one loop. Why: a
-    K step then holds one [BM, BN] dot result next to the two sums (not two), which lets BM = 128 fit
-    (gate + up + one product: 3 x 64 registers at 8 warps, BN 128), and a [128, 128] fp8 tile reads
-    half the bytes a FLOP that the [64, 2 x 128] tile reads. The fp8 GEMMs at BM 64 are L1/L2-bound
-    (ncu, H100 2026-12-06: 75-86% with the tensor pipe at 33-43%). The A rows come twice (L2). Each
-    sum adds the same products in the same K order: the same bits as the one-loop forms."""
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, IMPRECISE: tl.constexpr):
+    """aq_PI / as_PG of block pid_m (expert e >= 0), columns pid_n*BN.. of I (_fp8_gate_up_tile's body)."""
     offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_p)
     row_ok = pair < num_pairs
@@ -92,21 +83,6 @@ def _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e,
             cg = cg_next
             cu = cu_next
         g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
-    elif SEQ:
-        g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kt in range(0, n_kt):
-            cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk, row_ok, SCALE_E8M0)
-            a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
-            wg = wd.load([row_g, kt * BLOCK_K])
-            g += tl.dot(a, wg.T, max_num_imprecise_acc=IMPRECISE) * cg[:, None]
-            cg = cg_next
-        u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
-        for kt in range(0, n_kt):
-            cu_next = _fp8_row_scale(xs_ptrs, su_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk, row_ok, SCALE_E8M0)
-            a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
-            wu = wd.load([row_g + I, kt * BLOCK_K])
-            u += tl.dot(a, wu.T, max_num_imprecise_acc=IMPRECISE) * cu[:, None]
-            cu = cu_next
     else:
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
@@ -132,7 +108,7 @@ def _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
                       top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
                       stride_as, limit, alpha, ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, NUM_PROGS: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      FUSED: tl.constexpr, IMPRECISE: tl.constexpr, SEQ: tl.constexpr = False):
+                      FUSED: tl.constexpr, IMPRECISE: tl.constexpr):
     """The persistent fp8 gate_up as one flattened loop over (work tile, K step), as _fp8_down_flat: the
     activation, quantization and store of one tile overlap the next tile's first copies. The used
     blocks only; the same bits as _fp8_gate_up_rows per tile."""
@@ -143,8 +119,7 @@ def _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, bl
         e = tl.load(block_expert_ptr + pid_m)
         _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
                           top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
-                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE,
-                          SEQ)
+                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
@@ -155,7 +130,7 @@ def moe_gate_up_fp8_tma_kernel(
     ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr = False, FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
-    FLAT: tl.constexpr = False, SEQ: tl.constexpr = False,
+    FLAT: tl.constexpr = False,
 ):
     """aq_PI / as_PG like moe_gemm_quant.moe_gate_up_fp8_kernel (QUANT_OUT, SCALAR_WS).
 
@@ -170,18 +145,18 @@ def moe_gate_up_fp8_tma_kernel(
         _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I,
                           top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk,
                           stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
-                          GROUP_M, FUSED, IMPRECISE, SEQ)
+                          GROUP_M, FUSED, IMPRECISE)
     elif PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, tile,
                               num_pairs, H, I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse,
                               stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0,
-                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FUSED, IMPRECISE, SEQ)
+                              BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FUSED, IMPRECISE)
     else:
         _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr,
                           tl.program_id(0), num_pairs, H, I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs,
                           stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0,
-                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FUSED, IMPRECISE, SEQ)
+                          BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, FUSED, IMPRECISE)
 
 
 @triton.jit
