@@ -19,6 +19,8 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     tiled_down table with the down GEMM tiled (FLAT_DOWN = False; the default, None, runs the bf16
               down flat at short K on full 128-row tiles: table is flat_down there)
     ws_pp     ws in the ping-pong schedule (WS_COOP off; BM 128 plans otherwise run cooperative)
+    ws_pace   ws with padding second halves computed, not skipped (WS_PACE; ws_pace_gate_up: the
+              gate_up alone): whether pacing the half-padding tiles keeps the weight box's L2 sharing
     ws_g<G>   ws with GROUP_M = G (1, 4, 16, 64): how much the grouped order's L2 reuse matters to them
     ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
               moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
@@ -88,7 +90,7 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["two_dot"] = table
     out["flat_down"] = table
     out["tiled_down"] = table
-    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp"):
+    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up"):
         out[v] = table
     for g in WS_GROUPS:  # the Gluon kernels at other grouped orders (GROUP_M 64-row tiles a group)
         out[f"ws_g{g}"] = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, group_m=g),
@@ -116,7 +118,9 @@ WS_GROUPS = (1, 4, 16, 64)
 FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS},
          "two_dot": {"FUSED_GATE_UP": False}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
          "ws_down": {"WS_DOWN": True}, "ws_gate_up": {"WS_GATE_UP": True},
-         "ws": {"WS_DOWN": True, "WS_GATE_UP": True}, "ws_pp": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_COOP": False}}
+         "ws": {"WS_DOWN": True, "WS_GATE_UP": True}, "ws_pp": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_COOP": False},
+         "ws_pace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": True},
+         "ws_pace_gate_up": {"WS_GATE_UP": True, "WS_PACE": True}}
 
 
 class Flagged:

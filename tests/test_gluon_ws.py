@@ -99,24 +99,25 @@ def test_off_by_default_and_never_on_cpu_tensors():
     assert ws_device_ok(torch.empty(4, 4)) is False  # the interpreter never gets a Gluon launch
 
 
-def _compile(bm: int, bn: int, bk: int, stages: int, matmul: bool, coop: bool = False):
+def _compile(bm: int, bn: int, bk: int, stages: int, matmul: bool, coop: bool = False, pace: bool = False):
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type
     from moeflow.kernels.moe_gemm_ws import moe_down_ws_kernel
 
     types = dict(ad=gluon_desc_type("bf16", [128 if coop else 64, bk]), wd=gluon_desc_type("bf16", [bk, bn] if matmul else [bn, bk]),
                  y_ptr="*bf16", b_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
-    consts = dict(BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4)
+    consts = dict(BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages, PACE=pace,
+                  num_warps=4)
     return compile_kernel(moe_down_ws_kernel, types, consts, num_warps=4, div16=("H", "I", "stride_yn"))
 
 
 @needs_gluon
-@pytest.mark.parametrize("bm,bn,bk,stages,matmul,coop", [(128, 256, 64, 5, False, False), (64, 128, 64, 6, False, False),
-                                                         (128, 128, 64, 6, True, False), (128, 256, 64, 4, False, True),
-                                                         (128, 128, 64, 5, True, True)])
-def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages, matmul, coop):
+@pytest.mark.parametrize("bm,bn,bk,stages,matmul,coop,pace", [
+    (128, 256, 64, 5, False, False, False), (64, 128, 64, 6, False, False, False), (128, 128, 64, 6, True, False, False),
+    (128, 256, 64, 4, False, True, False), (128, 128, 64, 5, True, True, False), (128, 256, 64, 4, False, True, True)])
+def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, stages, matmul, coop, pace):
     from benchmarks.sass_mix import gmma_loop, opcode_mix, sass_text
 
-    k = _compile(bm, bn, bk, stages, matmul, coop)
+    k = _compile(bm, bn, bk, stages, matmul, coop, pace)
     sass = sass_text(k)
     ptx = k.asm["ptx"]
     # 4 consumer warps + 4 consumer warps + 1 producer warp, padded to whole warp groups
@@ -142,10 +143,11 @@ def test_ws_down_compiles_to_three_partitions_with_a_lean_k_loop(bm, bn, bk, sta
 
 
 @needs_gluon
-@pytest.mark.parametrize("bm,bn,bk,stages,act,matmul,coop", [
-    (128, 128, 64, 5, 0, False, False), (64, 64, 128, 4, 1, False, False), (128, 128, 64, 5, 3, True, False),
-    (128, 128, 64, 4, 0, False, True), (128, 128, 64, 4, 3, True, True)])
-def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, matmul, coop):
+@pytest.mark.parametrize("bm,bn,bk,stages,act,matmul,coop,pace", [
+    (128, 128, 64, 5, 0, False, False, False), (64, 64, 128, 4, 1, False, False, False),
+    (128, 128, 64, 5, 3, True, False, False), (128, 128, 64, 4, 0, False, True, False),
+    (128, 128, 64, 4, 3, True, True, False), (128, 128, 64, 4, 0, False, True, True)])
+def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, matmul, coop, pace):
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
     from moeflow.kernels.moe_gemm_ws import moe_gate_up_ws_kernel
 
@@ -153,7 +155,7 @@ def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, mat
     types = dict(x_ptr="*bf16", wd=gluon_desc_type("bf16", box), act_ptr="*bf16", b_ptr="*bf16", sorted_ptr="*i32",
                  block_expert_ptr="*i32", limit="fp32", alpha="fp32")
     consts = dict(ACT=act, BLOCK_M=bm, MATMUL=matmul, HAS_BIAS=matmul, NUM_PROGS=132, GROUP_M=8, STAGES=stages,
-                  COOP=coop, num_warps=4)
+                  COOP=coop, PACE=pace, num_warps=4)
     k = compile_kernel(moe_gate_up_ws_kernel, types, consts, num_warps=4,
                        div16=("H", "I", "stride_xt", "stride_ap"))
     sass, ptx = sass_text(k), k.asm["ptx"]

@@ -141,6 +141,10 @@ WS_GATE_UP = False
 # cooperative's weight traffic a FLOP: on the H100 (2026-12-05) its kernels ran DRAM-bound at 0.3-0.9x
 # the Triton kernels' speed. BM 64 plans run ping-pong either way.
 WS_COOP = True
+# Cooperative only: a block's padding second half computed too (masked stores) rather than skipped, so a
+# CTA on a mostly-padding block keeps the pace of the CTAs that share its weight box (moe_gemm_ws.py
+# docstring, PACE). Off until a GPU run shows it pays (2026-12-06: not yet run on a GPU).
+WS_PACE = False
 
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
@@ -605,10 +609,11 @@ def _launch_gate_up_ws(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Exp
             or not w.gate_up.is_contiguous() or (w.gate_up_bias is not None and not w.interleaved)):
         return False
     # a tiling whose kernel does not compile (shared memory) falls back, as the TMA kernels do
-    return _launch_tma("ws_gate_up", (tiles, w.layout, config.activation, coop), lambda: launch_gate_up_ws(
+    pace = coop and WS_PACE
+    return _launch_tma("ws_gate_up", (tiles, w.layout, config.activation, coop, pace), lambda: launch_gate_up_ws(
         x_rows, w.gate_up, w.gate_up_bias, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N, top_k_div,
         plan.max_blocks, tiles, w.layout, config.activation, float(config.swiglu_limit or 0.0),
-        float(config.gptoss_alpha), t.group_m, _sm_count(plan.act_PI.device), coop))
+        float(config.gptoss_alpha), t.group_m, _sm_count(plan.act_PI.device), coop, pace))
 
 
 def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
@@ -620,9 +625,10 @@ def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
     tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype, w.layout, coop)
     if tiles is None or not ws_device_ok(plan.act_PI) or not w.down.is_contiguous():
         return False
-    return _launch_tma("ws_down", (tiles, w.layout, coop), lambda: launch_down_ws(
+    pace = coop and WS_PACE
+    return _launch_tma("ws_down", (tiles, w.layout, coop, pace), lambda: launch_down_ws(
         plan.act_PI, w.down, w.down_bias, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks,
-        tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device), coop))
+        tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device), coop, pace))
 
 
 def _ws_coop(plan: _Plan) -> bool:

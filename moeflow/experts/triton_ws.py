@@ -148,14 +148,16 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
 def launch_down_ws(act_PI: torch.Tensor, W: torch.Tensor, bias_EH: torch.Tensor | None, y_NH: torch.Tensor,
                    sorted_P: torch.Tensor, block_expert_B: torch.Tensor, num_pairs: int, max_blocks: int,
                    tiles: tuple[int, int, int, int], layout: str, group_m: int, num_programs: int,
-                   coop: bool = False) -> None:
+                   coop: bool = False, pace: bool = False) -> None:
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] (+ bias_EH[e(p)]) for every placed pair (moe_gemm_ws.moe_down_ws_kernel).
 
     act_PI [P, I] and W (contiguous: linear [E, H, I], matmul [E, I, H]) in bf16 / fp16; y_NH [N, H]
     (row stride y_NH.stride(0), unit column stride); sorted_P / block_expert_B the alignment's int32
     buffers; tiles from ws_down_tiles (with the same coop); num_programs the device's SM count (one CTA
-    an SM).
+    an SM); pace (with coop): padding second halves computed, not skipped (moe_gemm_ws.py, PACE).
     """
+    if pace and not coop:
+        raise ValueError("launch_down_ws: pace=True needs coop=True (the ping-pong schedule has no halves)")
     from ..kernels.moe_gemm_ws import CONSUMER_WARPS, moe_down_ws_kernel
 
     BM, BN, BK, stages = tiles
@@ -168,21 +170,24 @@ def launch_down_ws(act_PI: torch.Tensor, W: torch.Tensor, bias_EH: torch.Tensor 
     moe_down_ws_kernel[(num_programs,)](
         ad, wd, y_NH, b, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, y_NH.stride(0), b.stride(0),
         BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_EH is not None, NUM_PROGS=num_programs, GROUP_M=group_m,
-        STAGES=stages, num_warps=CONSUMER_WARPS.value,
+        STAGES=stages, PACE=pace, num_warps=CONSUMER_WARPS.value,
     )
 
 
 def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Tensor | None, act_PI: torch.Tensor,
                       sorted_P: torch.Tensor, block_expert_B: torch.Tensor, num_pairs: int, top_k_div: int,
                       max_blocks: int, tiles: tuple[int, int, int, int], layout: str, activation: str, limit: float,
-                      alpha: float, group_m: int, num_programs: int, coop: bool = False) -> None:
+                      alpha: float, group_m: int, num_programs: int, coop: bool = False,
+                      pace: bool = False) -> None:
     """act_PI[p] = act(x_rows[pair(p) // top_k_div] @ W_gu[e(p)] (+ bias)) for every placed pair
     (moe_gemm_ws.moe_gate_up_ws_kernel).
 
     x_rows [M, H] (unit column stride, 16-byte aligned rows); W contiguous, linear [E, 2I, H] (gate rows
     then up rows) or matmul [E, H, 2I] (gate / up columns interleaved, with bias_E2I [E, 2I] or None);
-    act_PI [P, I]; all in one dtype (bf16 / fp16); tiles from ws_gate_up_tiles.
+    act_PI [P, I]; all in one dtype (bf16 / fp16); tiles from ws_gate_up_tiles; coop / pace as launch_down_ws.
     """
+    if pace and not coop:
+        raise ValueError("launch_gate_up_ws: pace=True needs coop=True (the ping-pong schedule has no halves)")
     from ..kernels.moe_gemm_ws import CONSUMER_WARPS, moe_gate_up_ws_kernel
 
     BM, BN, BK, stages = tiles
@@ -195,5 +200,5 @@ def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Ten
         x_rows, wd, act_PI, b, sorted_P, block_expert_B, num_pairs, H, I2 // 2, top_k_div, max_blocks,
         x_rows.stride(0), act_PI.stride(0), b.stride(0), float(limit), float(alpha),
         ACT=_WS_ACTIVATIONS[activation], BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_E2I is not None,
-        NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, COOP=coop, num_warps=CONSUMER_WARPS.value,
+        NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, COOP=coop, PACE=pace, num_warps=CONSUMER_WARPS.value,
     )

@@ -57,6 +57,15 @@ freed). Ping-pong reads each weight box for 64 rows: twice the weight traffic a 
 (2026-12-05, benchmarks/RESULTS.md) ping-pong ran at 0.33-0.53x the Triton kernels' speed, DRAM-bound;
 cooperative at 0.62-1.10x.
 
+PACE (cooperative only; experts.triton.WS_PACE): consumer 1 computes a padding second half too (its
+stores masked) instead of skipping it. Why (ncu, H100 2026-12-06, benchmarks/RESULTS.md): with balanced
+routing (every expert two full 128-row blocks) the cooperative gate_up read each weight once (15.4 GB)
+and ran 7% faster than the Triton kernel; with uniform routing (half the experts a third, mostly
+padding block) it read them 2.4 times (36.4 GB). The guess this flag tests: a CTA on a half-padding
+block runs ahead of the CTAs that share its weight box (half the wgmmas a K step), so they stop finding
+the box in L2. Paced, every tile of a block takes a full tile's time, as in the Triton persistent
+kernels (whose in-kernel half tiles also lost there, 2026-12-04).
+
 Status: the same bits as the Triton kernels on the H100 (tests/test_experts_triton.py
 ::test_gpu_ws_kernels_equal_the_triton_kernels_bitwise, both schedules, graph replay); compiled
 offline for sm_90a in the CPU suite (tests/test_gluon_ws.py); the synchronisation model-checked
@@ -162,20 +171,26 @@ def _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH: 
 
 
 @gluon.jit
-def _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH: gl.constexpr):
+def _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH: gl.constexpr,
+              PACE: gl.constexpr):
     """(first row, mine) of consumer WHICH in the CTA's j-th live tile pid_r (a_bufs' ROWS rows):
     ping-pong (ROWS 64) the whole tile, its own when j % 2 == WHICH; cooperative (ROWS 128) rows
     [WHICH * 64, WHICH * 64 + 64), its own when they hold a pair; when they do not, the consumer
-    passes the tile's stages here (_ws_skip_tile)."""
+    passes the tile's stages here (_ws_skip_tile). PACE (cooperative): always its own, padding rows
+    included (their wgmmas run, their stores are masked), so that every tile of a block takes a full
+    tile's time (module docstring: why)."""
     ROWS: gl.constexpr = a_bufs.type.shape[1]
     if ROWS == TILE_M:
         row0 = pid_r * ROWS
         mine = j % 2 == WHICH
     else:
         row0 = pid_r * ROWS + WHICH * TILE_M
-        mine = _ws_live(sorted_ptr, row0, num_pairs)
-        if not mine:
-            _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
+        if PACE:
+            mine = True
+        else:
+            mine = _ws_live(sorted_ptr, row0, num_pairs)
+            if not mine:
+                _ws_skip_tile(a_bufs, ready, empty, j, k_tiles)
     return row0, mine
 
 
@@ -243,7 +258,7 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
 @gluon.jit
 def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
                  H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
-                 WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
+                 WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, PACE: gl.constexpr):
     """Consumer WHICH (0 or 1): the wgmmas and the epilogue (bias, then the rows stored by pair) of this
     CTA's live tiles j with j % 2 == WHICH (ping-pong), or of the rows [WHICH * 64, WHICH * 64 + 64) of
     every live 128-row tile (cooperative: the stage's act box holds 128 rows)."""
@@ -258,7 +273,7 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, 
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
-            row0, mine = _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH)
+            row0, mine = _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH, PACE)
             if mine:
                 acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL, COOP)
                 i += 1
@@ -282,16 +297,16 @@ def _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, 
 @gluon.jit
 def _ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr,
                         used, num_pairs, H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
-                        GROUP_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
+                        GROUP_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, PACE: gl.constexpr):
     """Consumer 1 (a worker partition: the odd live tiles)."""
     _ws_down_mma(a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used, num_pairs,
-                 H, I, stride_yn, stride_be, SUB, NUM_PROGS, GROUP_M, 1, MATMUL, HAS_BIAS)
+                 H, I, stride_yn, stride_be, SUB, NUM_PROGS, GROUP_M, 1, MATMUL, HAS_BIAS, PACE)
 
 
 @gluon.jit
 def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr,
                          used, num_pairs, H, I, stride_yn, stride_be, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
-                         GROUP_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr):
+                         GROUP_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, PACE: gl.constexpr):
     """The producer (a worker partition)."""
     _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, SUB,
                   NUM_PROGS, GROUP_M, MATMUL)
@@ -300,7 +315,7 @@ def _ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_p
 @gluon.jit
 def moe_down_ws_kernel(ad, wd, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, stride_yn,
                        stride_be, BLOCK_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                       NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
+                       NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr, PACE: gl.constexpr,
                        num_warps: gl.constexpr):
     """y_NH[pair] = act_PI[p] @ W_d[e(p)] (+ b_d[e(p)]) like moe_gemm_tma.moe_down_tma_kernel / moe_gemm's
     moe_down_kernel with one split.
@@ -330,13 +345,13 @@ def moe_down_ws_kernel(ad, wd, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_p
     gl.warp_specialize([
         (_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
                         num_pairs, H, I, stride_yn, stride_be, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, 0, MATMUL,
-                        HAS_BIAS)),
+                        HAS_BIAS, PACE)),
         (_ws_down_mma_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr,
                                block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // ROWS,
-                               NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS)),
+                               NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, PACE)),
         (_ws_down_load_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, y_ptr, b_ptr, sorted_ptr,
                                 block_expert_ptr, used, num_pairs, H, I, stride_yn, stride_be, BLOCK_M // ROWS,
-                                NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS)),
+                                NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, PACE)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
@@ -430,7 +445,7 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
 def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
                     num_pairs, H, I, stride_ap, stride_be, limit, alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr,
                     GROUP_M: gl.constexpr, WHICH: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
-                    ACT: gl.constexpr):
+                    ACT: gl.constexpr, PACE: gl.constexpr):
     """Consumer WHICH: one m64 x 2BN wgmma chain a K step over its 64 rows of the live tiles (ping-pong:
     the tiles j with j % 2 == WHICH; cooperative: rows [WHICH * 64, WHICH * 64 + 64) of every 128-row
     tile), then (bias,) the split into gate and up, act(g, u), stored by row."""
@@ -445,7 +460,7 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_
     for tile in range(gl.program_id(0), used * SUB * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
-            row0, mine = _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH)
+            row0, mine = _ws_claim(sorted_ptr, a_bufs, ready, empty, pid_r, j, k_tiles, num_pairs, WHICH, PACE)
             if mine:
                 acc = _ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, WHICH, MATMUL, COOP)
                 i += 1
@@ -475,18 +490,18 @@ def _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_
 def _ws_gate_up_mma_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
                            block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be, limit,
                            alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
-                           MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr):
+                           MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, PACE: gl.constexpr):
     """Consumer 1 (a worker partition: the odd live tiles)."""
     _ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
                     num_pairs, H, I, stride_ap, stride_be, limit, alpha, SUB, NUM_PROGS, GROUP_M, 1, MATMUL,
-                    HAS_BIAS, ACT)
+                    HAS_BIAS, ACT, PACE)
 
 
 @gluon.jit
 def _ws_gate_up_load_worker(x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
                             block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be, limit,
                             alpha, SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr,
-                            MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr):
+                            MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr, ACT: gl.constexpr, PACE: gl.constexpr):
     """The producer (a worker partition)."""
     _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I,
                      top_k, stride_xt, SUB, NUM_PROGS, GROUP_M, MATMUL)
@@ -497,7 +512,7 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, b_ptr, sorted_ptr, block_expert_pt
                           stride_xt, stride_ap, stride_be, limit, alpha,
                           ACT: gl.constexpr, BLOCK_M: gl.constexpr, MATMUL: gl.constexpr, HAS_BIAS: gl.constexpr,
                           NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, STAGES: gl.constexpr,
-                          COOP: gl.constexpr, num_warps: gl.constexpr):
+                          COOP: gl.constexpr, PACE: gl.constexpr, num_warps: gl.constexpr):
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)] (+ b_gu[e(p)])) like moe_gemm_tma.moe_gate_up_tma_kernel
     (linear) / moe_gemm.moe_gate_up_kernel (MATMUL, interleaved, HAS_BIAS: gpt-oss).
 
@@ -529,11 +544,11 @@ def moe_gate_up_ws_kernel(x_ptr, wd, act_ptr, b_ptr, sorted_ptr, block_expert_pt
     gl.warp_specialize([
         (_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr, block_expert_ptr, used,
                            num_pairs, H, I, stride_ap, stride_be, limit, alpha, BLOCK_M // ROWS, NUM_PROGS,
-                           GROUP_M, 0, MATMUL, HAS_BIAS, ACT)),
+                           GROUP_M, 0, MATMUL, HAS_BIAS, ACT, PACE)),
         (_ws_gate_up_mma_worker, (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
                                   block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be,
-                                  limit, alpha, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
+                                  limit, alpha, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT, PACE)),
         (_ws_gate_up_load_worker, (x_ptr, wd, a_bufs, b_bufs, ready, empty, order, act_ptr, b_ptr, sorted_ptr,
                                    block_expert_ptr, used, num_pairs, H, I, top_k, stride_xt, stride_ap, stride_be,
-                                   limit, alpha, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT)),
+                                   limit, alpha, BLOCK_M // ROWS, NUM_PROGS, GROUP_M, MATMUL, HAS_BIAS, ACT, PACE)),
     ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])
