@@ -59,6 +59,8 @@ class Case:
     # experts cases: tune_experts.routing's distribution ("balanced": every expert T * K / E rows, so at
     # deepseek-v3 T=4096 each expert is one 128-row tile whose weights no other tile reads)
     dist: str = "uniform"
+    # experts_ws cases: the cooperative schedule paced (experts.triton.WS_PACE: padding halves computed)
+    pace: bool = False
 
     @property
     def tiny_shape(self) -> str:
@@ -122,6 +124,10 @@ CASES: tuple[Case, ...] = (
          "Gluon gate_up and down, T=8192, balanced routing (256 rows an expert)", tiny_T=64, dist="balanced"),
     Case("experts_prefill_t8192_deepseek_v3_bal", "experts", "deepseek-v3", 8192,
          "TritonExperts() T=8192, balanced routing (256 rows an expert)", tiny_T=64, dist="balanced"),
+    # the cooperative Gluon kernels paced (WS_PACE): whether their DRAM reads at uniform routing fall from
+    # 2.4x the weights (ws_prefill_t8192_deepseek_v3) towards the balanced case's 1x
+    Case("ws_pace_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
+         "Gluon gate_up and down, paced (WS_PACE), T=8192", tiny_T=64, pace=True),
     # Zipf routing (tune_experts.routing's "zipf") at the T=8192 points issue 16 item 1 misses: its padding
     # and its few hot experts (many 128-row tiles of one expert) against the uniform cases above
     Case("experts_prefill_t8192_qwen3_zipf", "experts", "qwen3-30b-a3b", 8192, "TritonExperts() T=8192, Zipf routing",
@@ -236,6 +242,7 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
 
     if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
         TE.WS_GATE_UP = TE.WS_DOWN = True
+        TE.WS_PACE = case.pace
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -266,7 +273,7 @@ def _setup_experts(case: Case, tiny: bool, dev):
     decode = impl.uses_decode_path(T, K, E, w)
     tiles = (impl.decode_config_for(w, K, T) if decode else impl.tile_config_for(w, K, T)).to_dict()
     info = dict(impl=repr(impl), **a["facts"], path="decode" if decode else "aligned", tiles=tiles,
-                gluon_ws=bool(TE.WS_GATE_UP and TE.WS_DOWN))
+                gluon_ws=bool(TE.WS_GATE_UP and TE.WS_DOWN), gluon_ws_pace=bool(TE.WS_PACE))
 
     def fn():
         return impl.forward_tokens(x, ids, wts, w, cfg)

@@ -217,7 +217,7 @@ def test_list_and_names():
             "ws_prefill_t8192_qwen3", "ws_prefill_t8192_deepseek_v3", "ws_prefill_t8192_deepseek_v3_x1",
             "experts_prefill_t8192_deepseek_v3_x1", "ws_prefill_t4096_deepseek_v3_bal",
             "experts_prefill_t4096_deepseek_v3_bal", "ws_prefill_t8192_deepseek_v3_bal",
-            "experts_prefill_t8192_deepseek_v3_bal", "experts_prefill_t8192_qwen3_zipf",
+            "experts_prefill_t8192_deepseek_v3_bal", "ws_pace_prefill_t8192_deepseek_v3", "experts_prefill_t8192_qwen3_zipf",
             "experts_prefill_t8192_deepseek_v3_zipf", "experts_prefill_t8192_gpt_oss_zipf",
             "experts_prefill_t8192_ds_v41_zipf",
             "experts_prefill_t2048_qwen3_zipf", "experts_prefill_t2048_deepseek_v3_zipf",
