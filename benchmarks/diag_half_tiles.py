@@ -20,7 +20,9 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
               down flat at short K on full 128-row tiles: table is flat_down there)
     ws_pp     ws in the ping-pong schedule (WS_COOP off; BM 128 plans otherwise run cooperative)
     ws_pace   ws with padding second halves computed, not skipped (WS_PACE; ws_pace_gate_up: the
-              gate_up alone): whether pacing the half-padding tiles keeps the weight box's L2 sharing
+              gate_up alone): whether pacing the half-padding tiles keeps the weight box's L2 sharing.
+              WS_PACE is on by default since 2026-12-06, so ws / ws_gate_up are paced too;
+              ws_nopace / ws_nopace_gate_up skip the padding halves (the schedule before)
     ws_g<G>   ws with GROUP_M = G (1, 4, 16, 64): how much the grouped order's L2 reuse matters to them
     ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
               moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
@@ -90,7 +92,7 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["two_dot"] = table
     out["flat_down"] = table
     out["tiled_down"] = table
-    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up"):
+    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up", "ws_nopace", "ws_nopace_gate_up"):
         out[v] = table
     for g in WS_GROUPS:  # the Gluon kernels at other grouped orders (GROUP_M 64-row tiles a group)
         out[f"ws_g{g}"] = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, group_m=g),
@@ -120,7 +122,9 @@ FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS
          "ws_down": {"WS_DOWN": True}, "ws_gate_up": {"WS_GATE_UP": True},
          "ws": {"WS_DOWN": True, "WS_GATE_UP": True}, "ws_pp": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_COOP": False},
          "ws_pace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": True},
-         "ws_pace_gate_up": {"WS_GATE_UP": True, "WS_PACE": True}}
+         "ws_pace_gate_up": {"WS_GATE_UP": True, "WS_PACE": True},
+         "ws_nopace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": False},
+         "ws_nopace_gate_up": {"WS_GATE_UP": True, "WS_PACE": False}}
 
 
 class Flagged:

@@ -59,8 +59,9 @@ class Case:
     # experts cases: tune_experts.routing's distribution ("balanced": every expert T * K / E rows, so at
     # deepseek-v3 T=4096 each expert is one 128-row tile whose weights no other tile reads)
     dist: str = "uniform"
-    # experts_ws cases: the cooperative schedule paced (experts.triton.WS_PACE: padding halves computed)
-    pace: bool = False
+    # experts_ws cases: the cooperative schedule paced or not (experts.triton.WS_PACE: padding halves computed);
+    # None: the library's default (paced since 2026-12-06; the ws_* results before that date are unpaced)
+    pace: bool | None = None
 
     @property
     def tiny_shape(self) -> str:
@@ -242,7 +243,8 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
 
     if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
         TE.WS_GATE_UP = TE.WS_DOWN = True
-        TE.WS_PACE = case.pace
+        if case.pace is not None:
+            TE.WS_PACE = case.pace
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
     dtype = torch.float32 if tiny else torch.bfloat16

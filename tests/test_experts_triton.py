@@ -1164,7 +1164,7 @@ WS_SHAPES = [(*s, ("silu", "swiglu_clamp"), "linear", False, False) for s in TMA
 @pytest.mark.parametrize("shape", WS_SHAPES, ids=[s[0] for s in WS_SHAPES])
 def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
     """The warp-specialised Gluon gate_up and down (experts.triton.WS_GATE_UP / WS_DOWN; moe_gemm_ws.py)
-    give the Triton kernels' bits, alone and together, cooperative (paced or not: WS_PACE) and ping-pong
+    give the Triton kernels' bits, alone and together, cooperative (paced, the default, or not: WS_PACE) and ping-pong
     (WS_COOP): BM 128 and 64 tiles (the BM 64 plan's BK 128 gate_up runs BK 64 in Gluon: BK changes no bits), T = 1 / 300 (skewed: empty and half-empty
     blocks) / 2500, each shape's activations (gpt-oss: matmul layout, interleaved, biases); they are taken
     (launch counts); then a CUDA graph captured with both on replays with new routing."""
@@ -1198,7 +1198,7 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
                 x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
                 want = impl.forward_tokens(x, ids, wts, w, cfg).clone()
                 for flags in ({"WS_DOWN": True}, {"WS_GATE_UP": True}, both, {**both, "WS_COOP": False},
-                              {**both, "WS_PACE": True}):
+                              {**both, "WS_PACE": False}):
                     with flags_on(flags), \
                             mock.patch.object(TW, "launch_down_ws", wraps=TW.launch_down_ws) as dn, \
                             mock.patch.object(TW, "launch_gate_up_ws", wraps=TW.launch_gate_up_ws) as gu:
@@ -1206,7 +1206,7 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
                     assert (dn.call_count, gu.call_count) == (int("WS_DOWN" in flags), int("WS_GATE_UP" in flags))
                     # BM 128 plans run the cooperative schedule unless WS_COOP is off; WS_PACE paces it
                     coop = tiles.block_m == 128 and flags.get("WS_COOP", True)
-                    assert dn.call_args.args[-2:] == (coop, coop and flags.get("WS_PACE", False)) \
+                    assert dn.call_args.args[-2:] == (coop, coop and flags.get("WS_PACE", True)) \
                         if dn.call_count else True
                     # ... and none fell back (a tiling whose Gluon kernel did not compile runs the Triton ones)
                     assert not [k for k in TE._TMA_REFUSED if k[0].startswith("ws_")], TE._TMA_REFUSED

@@ -143,8 +143,11 @@ WS_GATE_UP = False
 WS_COOP = True
 # Cooperative only: a block's padding second half computed too (masked stores) rather than skipped, so a
 # CTA on a mostly-padding block keeps the pace of the CTAs that share its weight box (moe_gemm_ws.py
-# docstring, PACE). Off until a GPU run shows it pays (2026-12-06: not yet run on a GPU).
-WS_PACE = False
+# docstring, PACE). On the H100 (2026-12-06, benchmarks/RESULTS.md thirteenth session) it cut the
+# cooperative gate_up's DRAM reads at deepseek-v3 T = 8192 from 36.6 to 19.7 GB and its time from 12.6 to
+# 7.4 ms (tensor pipe 37% -> 80%); the Gluon pair went from 0.63x to 0.89x the table, the Gluon gate_up
+# alone with the Triton down to 1.05-1.07x (but 0.90x at Zipf routing, so WS stays off by default).
+WS_PACE = True
 
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
