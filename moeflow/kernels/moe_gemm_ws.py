@@ -61,10 +61,12 @@ PACE (cooperative only; experts.triton.WS_PACE): consumer 1 computes a padding s
 stores masked) instead of skipping it. Why (ncu, H100 2026-12-06, benchmarks/RESULTS.md): with balanced
 routing (every expert two full 128-row blocks) the cooperative gate_up read each weight once (15.4 GB)
 and ran 7% faster than the Triton kernel; with uniform routing (half the experts a third, mostly
-padding block) it read them 2.4 times (36.4 GB). The guess this flag tests: a CTA on a half-padding
-block runs ahead of the CTAs that share its weight box (half the wgmmas a K step), so they stop finding
-the box in L2. Paced, every tile of a block takes a full tile's time, as in the Triton persistent
-kernels (whose in-kernel half tiles also lost there, 2026-12-04).
+padding block) it read them 2.4 times (36.4 GB). The cause: a CTA on a half-padding block runs ahead
+of the CTAs that share its weight box (half the wgmmas a K step), so they stop finding the box in L2.
+Paced, every tile of a block takes a full tile's time, as in the Triton persistent kernels (whose
+in-kernel half tiles also lost there, 2026-12-04). Confirmed on the H100 (2026-12-06, ncu): paced,
+the gate_up read 19.7 GB instead of 36.6 and ran 7.4 ms instead of 12.6 (tensor pipe 80% against 37%).
+The down read 19 GB either way: its re-reads have another cause. On by default (WS_PACE).
 
 Status: the same bits as the Triton kernels on the H100 (tests/test_experts_triton.py
 ::test_gpu_ws_kernels_equal_the_triton_kernels_bitwise, both schedules, graph replay); compiled
