@@ -164,14 +164,10 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts MXFP4 W4A16, T=1 (the GEMV path)"),
     Case("quant_mxfp4_gemv_t8_gpt_oss", "quant", "gpt-oss-120b", 8,
          "TritonQuantExperts MXFP4 W4A16, T=8 (the GEMV path, 32 pairs)"),
-    Case("quant_mxfp4_gemv_t2_gpt_oss", "quant", "gpt-oss-120b", 2,
-         "TritonQuantExperts MXFP4 W4A16, T=2 (the GEMV path; issue 15: 0.50 of the roof)"),
-    Case("quant_mxfp4_gemv_t4_gpt_oss", "quant", "gpt-oss-120b", 4,
-         "TritonQuantExperts MXFP4 W4A16, T=4 (the GEMV path; issue 15: 0.60 of the roof)"),
-    Case("quant_mxfp4_gemv_t16_gpt_oss", "quant", "gpt-oss-120b", 16,
-         "TritonQuantExperts MXFP4 W4A16, T=16 (the GEMV path; issue 15: 0.66 of the roof)"),
-    Case("quant_mxfp4_gemv_t32_gpt_oss", "quant", "gpt-oss-120b", 32,
-         "TritonQuantExperts MXFP4 W4A16, T=32 (the GEMV path; issue 15: 0.55 of the roof)"),
+    # the GEMV at the T no profile covered before (issue 15 item 6: the roof fraction of the seventh session, H100)
+    *(Case(f"quant_mxfp4_gemv_t{t}_gpt_oss", "quant", "gpt-oss-120b", t,
+           f"TritonQuantExperts MXFP4 W4A16, T={t} (the GEMV path; issue 15: {r} of the roof)")
+      for t, r in ((2, "0.50"), (4, "0.60"), (16, "0.66"), (32, "0.55"))),
     Case("quant_mxfp4_t64_gpt_oss", "quant", "gpt-oss-120b", 64,
          "TritonQuantExperts MXFP4 W4A16, T=64 (the MMA path; issue 15: 0.30 of the roof)"),
     Case("quant_mxfp4_prefill_t8192_gpt_oss", "quant", "gpt-oss-120b", 8192,
