@@ -129,6 +129,12 @@ CASES: tuple[Case, ...] = (
     # 2.4x the weights (ws_prefill_t8192_deepseek_v3) towards the balanced case's 1x
     Case("ws_pace_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
          "Gluon gate_up and down, paced (WS_PACE), T=8192", tiny_T=64, pace=True),
+    # paced (the default since 2026-12-06) at Zipf routing, where the paced Gluon gate_up lost 10% to the Triton one
+    Case("ws_prefill_t8192_deepseek_v3_zipf", "experts_ws", "deepseek-v3", 8192,
+         "Gluon gate_up and down (paced), T=8192, Zipf routing", tiny_T=64, dist="zipf"),
+    Case("experts_prefill_t8192_deepseek_v3_zipf_x1", "experts", "deepseek-v3", 8192,
+         "TritonExperts() T=8192, Zipf routing, every token the same row of x", tiny_T=64, dist="zipf",
+         x_one_row=True),
     # Zipf routing (tune_experts.routing's "zipf") at the T=8192 points issue 16 item 1 misses: its padding
     # and its few hot experts (many 128-row tiles of one expert) against the uniform cases above
     Case("experts_prefill_t8192_qwen3_zipf", "experts", "qwen3-30b-a3b", 8192, "TritonExperts() T=8192, Zipf routing",
