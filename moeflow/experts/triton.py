@@ -605,14 +605,13 @@ def _launch_gate_up_ws(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Exp
     from .triton_ws import launch_gate_up_ws, ws_device_ok, ws_gate_up_tiles, ws_rows_ok
 
     t = plan.cfg.gate_up
-    coop = _ws_coop(plan)
+    coop, pace = _ws_schedule(plan)
     tiles = ws_gate_up_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.gate_up.dtype,
                              config.activation, w.layout, bool(w.interleaved), coop)
     if (tiles is None or not ws_device_ok(plan.act_PI) or not ws_rows_ok(x_rows, w.gate_up.dtype)
             or not w.gate_up.is_contiguous() or (w.gate_up_bias is not None and not w.interleaved)):
         return False
     # a tiling whose kernel does not compile (shared memory) falls back, as the TMA kernels do
-    pace = coop and WS_PACE
     return _launch_tma("ws_gate_up", (tiles, w.layout, config.activation, coop, pace), lambda: launch_gate_up_ws(
         x_rows, w.gate_up, w.gate_up_bias, plan.act_PI, plan.sorted_P, plan.block_expert_B, plan.N, top_k_div,
         plan.max_blocks, tiles, w.layout, config.activation, float(config.swiglu_limit or 0.0),
@@ -624,19 +623,20 @@ def _launch_down_ws(plan: _Plan, w: ExpertWeights) -> bool:
     from .triton_ws import launch_down_ws, ws_device_ok, ws_down_tiles
 
     t = plan.cfg.down
-    coop = _ws_coop(plan)
+    coop, pace = _ws_schedule(plan)
     tiles = ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, w.down.dtype, w.layout, coop)
     if tiles is None or not ws_device_ok(plan.act_PI) or not w.down.is_contiguous():
         return False
-    pace = coop and WS_PACE
     return _launch_tma("ws_down", (tiles, w.layout, coop, pace), lambda: launch_down_ws(
         plan.act_PI, w.down, w.down_bias, plan.y_SNH[0], plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks,
         tiles, w.layout, t.group_m, _sm_count(plan.act_PI.device), coop, pace))
 
 
-def _ws_coop(plan: _Plan) -> bool:
-    """Whether the Gluon GEMMs run the cooperative schedule: WS_COOP, on 128-row blocks."""
-    return WS_COOP and plan.cfg.block_m == 128
+def _ws_schedule(plan: _Plan) -> tuple[bool, bool]:
+    """(coop, pace) of the Gluon GEMMs: the cooperative schedule (WS_COOP, on 128-row blocks), and whether
+    it computes padding halves (WS_PACE; cooperative only)."""
+    coop = WS_COOP and plan.cfg.block_m == 128
+    return coop, coop and WS_PACE
 
 
 def _sm_count(dev: torch.device) -> int:

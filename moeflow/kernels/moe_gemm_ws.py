@@ -326,8 +326,8 @@ def moe_down_ws_kernel(ad, wd, y_ptr, b_ptr, sorted_ptr, block_expert_ptr, num_p
     BLOCK_M 128 only); wd: over down viewed [E * H, I],
     block [BN, BK] (linear), or viewed [E * I, H], block [BK, BN] (MATMUL) (NVMMASharedLayout.get_default_for
     their block, bf16 / fp16); y_ptr: y_NH [N, H] rows by pair (stride_yn); b_ptr: b_d [E, H] (HAS_BIAS;
-    else any pointer). BLOCK_M the alignment's block (64 or 128: BLOCK_M / ROWS tiles; all-padding tiles, and
-    in the cooperative schedule all-padding 64-row halves, skipped). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition);
+    else any pointer). BLOCK_M the alignment's block (64 or 128: BLOCK_M / ROWS tiles; all-padding tiles skipped,
+    and in the cooperative schedule all-padding 64-row halves too unless PACE). Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition);
     the workers add CONSUMER_WARPS + PRODUCER_WARPS. BN <= 256 (one wgmma's N), BK | I; BN | H in the
     linear layout (MATMUL: the last column tile may run past H: TMA fills zeros, the store is masked).
     """
