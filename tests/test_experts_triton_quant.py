@@ -872,6 +872,44 @@ def test_gpu_fp8_tma_equals_pointer_bitwise():
 
 @gpu
 @needs_gpu
+@pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="Gluon wgmma needs Hopper")
+def test_gpu_fp8_ws_down_equals_the_tma_kernel_bitwise(monkeypatch):
+    """The warp-specialised fp8 down (FP8_WS_DOWN; moeflow/kernels/moe_gemm_fp8_ws.py) gives the Triton TMA
+    kernel's bits at the fp8 prefill tiles (BM 64; T = 300 skewed, empty and half-empty blocks; T = 2000), and
+    under CUDA-graph replay; its launch is counted, so the comparison cannot pass by both sides running the
+    Triton kernel. UE8M0 weight scales keep the Triton kernel (no launch)."""
+    from unittest import mock
+
+    import moeflow.experts.triton_quant as TQ
+    import moeflow.experts.triton_ws as TW
+    from moeflow.testing import assert_bitwise_equal
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    tiles = MoETileConfig(block_m=64, gate_up=GemmTile(block_n=128, block_k=128, num_warps=8, num_stages=4),
+                          down=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=4))
+    for fmt, E, H, I, K, act, launches in (("fp8", 16, 384, 256, 4, "silu", 1),
+                                           ("fp8_ue8m0", 9, 256, 384, 3, "swiglu_clamp", 0)):
+        cfg, wq = make_quant_case(fmt, E, H, I, K, act, "linear", False, False, device="cuda")
+        impl = TQ.TritonQuantExperts(fp8=True, tile_config=tiles, tma=True)
+        for T in (300, 2000):
+            x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
+            want = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
+            monkeypatch.setattr(TQ, "FP8_WS_DOWN", True)
+            with mock.patch.object(TW, "launch_down_fp8_ws", wraps=TW.launch_down_fp8_ws) as dn:
+                got = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    out = impl.forward_tokens(x, ids, wts, wq, cfg)
+                g.replay()
+                torch.cuda.synchronize()
+            monkeypatch.setattr(TQ, "FP8_WS_DOWN", False)
+            assert dn.call_count == 2 * launches, f"{fmt} T={T}: Gluon fp8 down launched {dn.call_count}x"
+            assert_bitwise_equal(got, want, what=f"{fmt} T={T}: Gluon fp8 down vs Triton TMA down")
+            assert_bitwise_equal(out, want, what=f"{fmt} T={T}: Gluon fp8 down, graph replay")
+
+
+@gpu
+@needs_gpu
 @pytest.mark.parametrize("fmt", ["mxfp4", "nvfp4"])
 def test_gpu_fp4_asm_decode_bitwise(fmt, monkeypatch):
     """The inline-PTX E2M1 decode (FP4_DECODE_ASM) gives the Triton decode's bits: GEMV (T = 1, 3, and 64

@@ -183,3 +183,43 @@ def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, mat
     # sub-boxes, which Triton spreads over the producer's 4 warps (one copy instruction, a warp's offset each)
     tma_copies = ptx.count("cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes")
     assert tma_copies == (1 if matmul else 2), tma_copies
+
+
+def test_fp8_ws_down_tiles():
+    from moeflow.experts.triton_ws import fp8_ws_down_tiles
+
+    assert fp8_ws_down_tiles(64, 128, 128, 7168, 2048, 128) == (128, 128, 6)  # deepseek-v3: 6 stages of 24 KB
+    assert fp8_ws_down_tiles(64, 256, 128, 2048, 768, 128) == (128, 128, 6)  # BN capped at 128 (registers)
+    assert fp8_ws_down_tiles(128, 128, 128, 7168, 2048, 128) is None  # BM 128 plans keep the Triton kernel
+    assert fp8_ws_down_tiles(64, 128, 128, 7168, 2000, 128) is None  # BK does not divide I
+    assert fp8_ws_down_tiles(64, 128, 128, 96, 2048, 128) == (32, 128, 6)  # H 96: the widest BN dividing it
+
+
+@needs_gluon
+@pytest.mark.parametrize("bn,stages", [(128, 6), (64, 6)])
+def test_fp8_ws_down_compiles_with_the_scaling_off_the_other_consumer(bn, stages):
+    """moe_gemm_fp8_ws.moe_down_fp8_ws_kernel (sm_90a, offline): three partitions with CUTLASS's register
+    split, no spill; a consumer's K step is one ring wait, BK / 32 m64 x BN x k32 e4m3 wgmmas, their wait,
+    one release and BN / 2 FFMAs (product x scale into the sum); its only barrier is its own warp group's
+    (128 threads), never the CTA's, so the other consumer's wgmmas run during the scaling."""
+    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
+    from moeflow.kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_kernel
+
+    bk = 128
+    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [bn, bk]), as_ptr="*fp32",
+                 ws_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
+    k = compile_kernel(moe_down_fp8_ws_kernel, types, dict(NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4),
+                       num_warps=4, div16=("H", "I", "stride_yn", "stride_as"))
+    ptx, sass = k.asm["ptx"], sass_text(k)
+    assert ".reqntid 384" in ptx
+    assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t232;" in ptx
+    assert "STL" not in sass and "LDL" not in sass
+    lines = gmma_loop(sass)
+    loop = opcode_mix(lines)
+    assert sum(f"QGMMA.64x{bn}x32.F32.E4M3.E4M3 " in ln for ln in lines) == bk // 32, loop
+    assert sum("GMMA." in ln for ln in lines) == bk // 32, loop
+    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1 and loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop
+    assert loop["WARPGROUP.DEPBAR.LE"] == 1, loop
+    assert loop["FFMA"] == bn // 2, loop
+    bars = [ln for ln in lines if "BAR.SYNC" in ln]
+    assert all(", 0x80" in ln for ln in bars), bars  # warp-group barriers (128 threads) only

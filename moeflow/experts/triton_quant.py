@@ -89,6 +89,11 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16)
 # each group's numbers do not depend on the split).
 _QUANT_GROUPS_PER_PROGRAM = 8
 _QUANT_WARPS = 2
+# The fp8 down GEMM as a warp-specialised Gluon kernel (moeflow/kernels/moe_gemm_fp8_ws.py: a TMA producer
+# warp, two consumer warp groups out of phase, so one's per-K-step scaling overlaps the other's wgmmas)
+# where fp8_ws_down_tiles serves the plan (BM 64, f32 weight scales, one split, default accumulation). Off:
+# compiled offline only (2026-12-06), not yet run on a GPU.
+FP8_WS_DOWN = False
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
 # on the H200 (benchmarks/RESULTS.md, 2026-12-03, seventh session): the GEMV
 # beat the MMA tiles 1.7x at T = 16 and 1.3x at T = 32 (N = 64, 128); its cost grows with pairs,
@@ -614,6 +619,8 @@ def _launch_down(plan: _Plan, w: ExpertWeights) -> None:
     if plan.fmt == "fp8_block":
         ws = _u8(w.down_scale)
         sbn = w.quant.block[0]
+        if S == 1 and not has_bias and _launch_fp8_down_ws(plan, w, ws, t, sbn):
+            return
         if (_fp8_tma_ok(plan, t, sbn) and S == 1 and _tma_weights_ok(t, dn, plan.H, plan.I, w.down_bias)
                 and _launch_tma("fp8_down", (plan.cfg.block_m, t), lambda: _launch_fp8_down_tma(plan, w, ws))):
             return
@@ -675,6 +682,24 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, FUSED=fused,
         IMPRECISE=_imprecise_acc(plan, t), FLAT=flat, launch_pdl=plan.pdl,
     )
+
+
+def _launch_fp8_down_ws(plan: _Plan, w: ExpertWeights, ws: torch.Tensor, t: GemmTile, sbn: int) -> bool:
+    """The fp8 down GEMM by the Gluon kernel (FP8_WS_DOWN) where it serves the plan; False leaves it to the
+    Triton kernels. Its bits are those of the default accumulation (plan.imprecise unset)."""
+    if not FP8_WS_DOWN or ws.dtype != torch.float32 or _imprecise_acc(plan, t) is not None or plan.imprecise:
+        return False
+    from .triton_ws import fp8_ws_down_tiles, launch_down_fp8_ws, ws_device_ok
+
+    tiles = fp8_ws_down_tiles(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, sbn)
+    if tiles is None or not ws_device_ok(plan.aq_PI) or not w.down.is_contiguous():
+        return False
+    y = plan.y_SNH[0]
+    dev = plan.aq_PI.device
+    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return _launch_tma("fp8_ws_down", (plan.cfg.block_m, tiles), lambda: launch_down_fp8_ws(
+        plan.aq_PI, plan.as_PG, w.down, ws, y, plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks, sbn,
+        tiles, t.group_m, sms))
 
 
 def _launch_fp8_down_tma(plan: _Plan, w: ExpertWeights, ws: torch.Tensor) -> None:

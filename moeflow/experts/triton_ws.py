@@ -140,7 +140,7 @@ def _descriptor(t2d: torch.Tensor, block: list[int]):
 
     if t2d.stride(1) != 1:
         raise ValueError(f"TMA view: expected a unit column stride, got strides {tuple(t2d.stride())}")
-    el = gl.bfloat16 if t2d.dtype == torch.bfloat16 else gl.float16
+    el = {torch.bfloat16: gl.bfloat16, torch.float16: gl.float16, torch.float8_e4m3fn: gl.float8e4nv}[t2d.dtype]
     return TensorDescriptor(t2d, list(t2d.shape), [t2d.stride(0), 1], block,
                             gl.NVMMASharedLayout.get_default_for(block, el))
 
@@ -201,4 +201,46 @@ def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Ten
         x_rows.stride(0), act_PI.stride(0), b.stride(0), float(limit), float(alpha),
         ACT=_WS_ACTIVATIONS[activation], BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_E2I is not None,
         NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, COOP=coop, PACE=pace, num_warps=CONSUMER_WARPS.value,
+    )
+
+
+def fp8_ws_down_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, sbn: int
+                      ) -> tuple[int, int, int] | None:
+    """(BN, BK, STAGES) of the warp-specialised fp8 down GEMM (moe_gemm_fp8_ws) for the plan's tiles, or None
+    where it does not serve: BM 64 plans only (ping-pong 64-row tiles), BK = the plan's (one scale group a
+    K step) dividing I, BN <= 128 (the sum and one product in registers) dividing H and the weight-scale
+    block sbn."""
+    if block_m != TILE_M or I % block_k or block_k % 32:
+        return None
+    bn = next((b for b in (min(block_n, 128), 64, 32, 16) if H % b == 0 and sbn % b == 0), None)
+    if bn is None:
+        return None
+    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + bn) * block_k))  # e4m3: one byte a value
+    return (bn, block_k, stages) if stages >= 2 else None
+
+
+def launch_down_fp8_ws(aq_PI: torch.Tensor, as_PG: torch.Tensor, W: torch.Tensor, ws: torch.Tensor,
+                       y_NH: torch.Tensor, sorted_P: torch.Tensor, block_expert_B: torch.Tensor, num_pairs: int,
+                       max_blocks: int, sbn: int, tiles: tuple[int, int, int], group_m: int,
+                       num_programs: int) -> None:
+    """y_NH[pair] = sum_kt (aq_PI[p, kt] @ W[e(p)][:, kt]^T) * as_PG[p, kt] * ws[e(p), n // sbn, kt] for every
+    placed pair (moe_gemm_fp8_ws.moe_down_fp8_ws_kernel).
+
+    aq_PI [P, I] e4m3 and as_PG [P, I / BK] f32 (gate_up's quantized output), W [E, H, I] e4m3 contiguous, ws
+    [E, ceil(H / sbn), I / BK] f32 (UE8M0 scales: TypeError, the Triton kernel serves them), y_NH [N, H];
+    tiles from fp8_ws_down_tiles.
+    """
+    if ws.dtype != torch.float32:
+        raise TypeError(f"launch_down_fp8_ws: ws dtype {ws.dtype}; expected float32 (UE8M0 runs the Triton kernel)")
+    from ..kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_kernel
+    from ..kernels.moe_gemm_ws import CONSUMER_WARPS
+
+    BN, BK, stages = tiles
+    E, H, I = W.shape
+    ad = _descriptor(aq_PI, [TILE_M, BK])
+    wd = _descriptor(W.view(E * H, I), [BN, BK])
+    moe_down_fp8_ws_kernel[(num_programs,)](
+        ad, wd, as_PG, ws, y_NH, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, sbn, as_PG.stride(0),
+        *ws.stride(), y_NH.stride(0), NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages,
+        num_warps=CONSUMER_WARPS.value,
     )
