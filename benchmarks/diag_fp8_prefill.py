@@ -21,6 +21,7 @@ clock drift of compute-bound steps falls on all of them alike:
     bf16_flat      bf16 with the same (moe_gemm_tma._down_flat)
     fp8_wsdn       fp8 with the down GEMM by the warp-specialised Gluon kernel (FP8_WS_DOWN;
                    moeflow/kernels/moe_gemm_fp8_ws.py; on the CPU dry run the flag changes nothing)
+    fp8_wsgu       the same for the gate_up (FP8_WS_GATE_UP); fp8_ws both
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
     fp8_bi32       the same every 32 products
@@ -28,7 +29,7 @@ clock drift of compute-bound steps falls on all of them alike:
     t:<name>       forced tiles (TMA where allowed): see _TILES
 Every fp8 variant is checked against the W8A8 reference (rel-L2, max-abs) before it is timed; fp8 and
 each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels), and each
-"X_2dot" / "X_flat" / "X_flatdn" / "X_wsdn" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
+"X_2dot" / "X_flat" / "X_flatdn" / "X_ws*" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
 same bits: bitwise_vs_base).
 
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --shapes deepseek-v3 --tokens 2048,8192 --json out.json
@@ -99,6 +100,13 @@ _percol = _setting("moeflow.experts.triton_quant", "FP8_SCALAR_WS", False)
 _two_dot = _setting("moeflow.experts.triton", "FUSED_GATE_UP", False)
 _flat = _setting("moeflow.experts.triton", "FLAT_DOWN", True)
 _wsdn = _setting("moeflow.experts.triton_quant", "FP8_WS_DOWN", True)
+_wsgu = _setting("moeflow.experts.triton_quant", "FP8_WS_GATE_UP", True)
+
+
+@contextlib.contextmanager
+def _ws_both():
+    with _wsdn(), _wsgu():
+        yield
 
 
 @contextlib.contextmanager
@@ -142,7 +150,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         rows.append(row)
     for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" against "X"
         v = r["variant"]
-        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn")) else None
+        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn", "_wsgu", "_ws")) else None
         for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
                           ("bitwise_vs_base", outs.get(base) if base else None)):
             if v in outs and twin is not None:
@@ -191,7 +199,8 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_bi,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,"
+                         "fp8_bi,"
                          "fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
     dev = torch.device("cpu" if dry else "cuda")
@@ -222,8 +231,9 @@ def main(argv=None) -> int:
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
             elif v == "fp8_flatdn":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat)
-            elif v == "fp8_wsdn":
-                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _wsdn)
+            elif v in ("fp8_wsdn", "fp8_wsgu", "fp8_ws"):
+                ctx = {"fp8_wsdn": _wsdn, "fp8_wsgu": _wsgu, "fp8_ws": _ws_both}[v]
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)
             elif v == "fp8_flat":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat_both)
             elif v == "bf16_flat":

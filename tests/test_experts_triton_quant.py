@@ -873,11 +873,12 @@ def test_gpu_fp8_tma_equals_pointer_bitwise():
 @gpu
 @needs_gpu
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="Gluon wgmma needs Hopper")
-def test_gpu_fp8_ws_down_equals_the_tma_kernel_bitwise(monkeypatch):
-    """The warp-specialised fp8 down (FP8_WS_DOWN; moeflow/kernels/moe_gemm_fp8_ws.py) gives the Triton TMA
-    kernel's bits at the fp8 prefill tiles (BM 64; T = 300 skewed, empty and half-empty blocks; T = 2000), and
-    under CUDA-graph replay; its launch is counted, so the comparison cannot pass by both sides running the
-    Triton kernel. UE8M0 weight scales keep the Triton kernel (no launch)."""
+def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
+    """The warp-specialised fp8 GEMMs (FP8_WS_DOWN / FP8_WS_GATE_UP, alone and together;
+    moeflow/kernels/moe_gemm_fp8_ws.py) give the Triton TMA kernels' bits at the fp8 prefill tiles (BM 64;
+    T = 300 skewed: empty and half-empty blocks; T = 2000), silu and swiglu_clamp, and under CUDA-graph replay.
+    Their launches are counted, so the comparison cannot pass by both sides running the Triton kernels.
+    UE8M0 weight scales keep the Triton kernels (no launch)."""
     from unittest import mock
 
     import moeflow.experts.triton_quant as TQ
@@ -887,25 +888,32 @@ def test_gpu_fp8_ws_down_equals_the_tma_kernel_bitwise(monkeypatch):
 
     tiles = MoETileConfig(block_m=64, gate_up=GemmTile(block_n=128, block_k=128, num_warps=8, num_stages=4),
                           down=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=4))
-    for fmt, E, H, I, K, act, launches in (("fp8", 16, 384, 256, 4, "silu", 1),
-                                           ("fp8_ue8m0", 9, 256, 384, 3, "swiglu_clamp", 0)):
+    for fmt, E, H, I, K, act, ws_ok in (("fp8", 16, 384, 256, 4, "silu", True),
+                                        ("fp8", 8, 256, 384, 2, "swiglu_clamp", True),
+                                        ("fp8_ue8m0", 9, 256, 384, 3, "swiglu_clamp", False)):
         cfg, wq = make_quant_case(fmt, E, H, I, K, act, "linear", False, False, device="cuda")
         impl = TQ.TritonQuantExperts(fp8=True, tile_config=tiles, tma=True)
         for T in (300, 2000):
             x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
             want = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
-            monkeypatch.setattr(TQ, "FP8_WS_DOWN", True)
-            with mock.patch.object(TW, "launch_down_fp8_ws", wraps=TW.launch_down_fp8_ws) as dn:
-                got = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    out = impl.forward_tokens(x, ids, wts, wq, cfg)
-                g.replay()
-                torch.cuda.synchronize()
-            monkeypatch.setattr(TQ, "FP8_WS_DOWN", False)
-            assert dn.call_count == 2 * launches, f"{fmt} T={T}: Gluon fp8 down launched {dn.call_count}x"
-            assert_bitwise_equal(got, want, what=f"{fmt} T={T}: Gluon fp8 down vs Triton TMA down")
-            assert_bitwise_equal(out, want, what=f"{fmt} T={T}: Gluon fp8 down, graph replay")
+            for flags in (("FP8_WS_DOWN",), ("FP8_WS_GATE_UP",), ("FP8_WS_DOWN", "FP8_WS_GATE_UP")):
+                for f in flags:
+                    monkeypatch.setattr(TQ, f, True)
+                with mock.patch.object(TW, "launch_down_fp8_ws", wraps=TW.launch_down_fp8_ws) as dn, \
+                        mock.patch.object(TW, "launch_gate_up_fp8_ws", wraps=TW.launch_gate_up_fp8_ws) as gu:
+                    got = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
+                    g = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(g):
+                        out = impl.forward_tokens(x, ids, wts, wq, cfg)
+                    g.replay()
+                    torch.cuda.synchronize()
+                for f in flags:
+                    monkeypatch.setattr(TQ, f, False)
+                what = f"{fmt} {act} T={T} {'+'.join(flags)}"
+                assert dn.call_count == (2 if ws_ok and "FP8_WS_DOWN" in flags else 0), (what, dn.call_count)
+                assert gu.call_count == (2 if ws_ok and "FP8_WS_GATE_UP" in flags else 0), (what, gu.call_count)
+                assert_bitwise_equal(got, want, what=f"{what}: Gluon vs Triton TMA kernels")
+                assert_bitwise_equal(out, want, what=f"{what}: Gluon kernels, graph replay")
 
 
 @gpu

@@ -223,3 +223,41 @@ def test_fp8_ws_down_compiles_with_the_scaling_off_the_other_consumer(bn, stages
     assert loop["FFMA"] == bn // 2, loop
     bars = [ln for ln in lines if "BAR.SYNC" in ln]
     assert all(", 0x80" in ln for ln in bars), bars  # warp-group barriers (128 threads) only
+
+
+def test_fp8_ws_gate_up_stages():
+    from moeflow.experts.triton_ws import fp8_ws_gate_up_stages
+
+    assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "silu") == 6  # 6 stages of 24 KB
+    assert fp8_ws_gate_up_stages(64, 64, 128, 7168, 2048, 128, "silu") is None  # a tile is one 128-column group
+    assert fp8_ws_gate_up_stages(128, 128, 128, 7168, 2048, 128, "silu") is None  # BM 64 plans only
+    assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "relu2") is None  # no Gluon form of it
+
+
+@needs_gluon
+@pytest.mark.parametrize("act", [0, 2])
+def test_fp8_ws_gate_up_compiles_with_the_scaling_off_the_other_consumer(act):
+    """moe_gemm_fp8_ws.moe_gate_up_fp8_ws_kernel (sm_90a, offline): no spill; a K step of a half is one ring
+    wait, 4 m64 x 128 x k32 e4m3 wgmmas (gate 64 | up 64 columns), their wait, one release and 64 FFMAs with no
+    select left (the gate / up scale is static per register), warp-group barriers only; the producer warp
+    group's row copies are fenced before the hand-over."""
+    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
+    from moeflow.kernels.moe_gemm_fp8_ws import moe_gate_up_fp8_ws_kernel
+
+    types = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", wd=gluon_desc_type("fp8e4nv", [64, 128]), ws_ptr="*fp32",
+                 aq_ptr="*fp8e4nv", as_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", limit="fp32",
+                 alpha="fp32")
+    k = compile_kernel(moe_gate_up_fp8_ws_kernel, types, dict(ACT=act, NUM_PROGS=132, GROUP_M=8, STAGES=6,
+                                                              num_warps=4),
+                       num_warps=4, div16=("H", "I", "stride_xq", "stride_aq"))
+    ptx, sass = k.asm["ptx"], sass_text(k)
+    assert "STL" not in sass and "LDL" not in sass
+    assert "fence.proxy.async.shared::cta" in ptx  # the row copies handed to the async proxy
+    lines = gmma_loop(sass)
+    loop = opcode_mix(lines)
+    assert sum("QGMMA.64x128x32.F32.E4M3.E4M3 " in ln for ln in lines) == 4, loop
+    assert sum("GMMA." in ln for ln in lines) == 4, loop
+    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1 and loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop
+    assert loop["FFMA"] == 64 and not any(op.startswith(("FSEL", "SEL")) for op in loop), loop
+    bars = [ln for ln in lines if "BAR.SYNC" in ln]
+    assert all(", 0x80" in ln for ln in bars), bars

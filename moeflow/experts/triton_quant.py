@@ -94,6 +94,9 @@ _QUANT_WARPS = 2
 # where fp8_ws_down_tiles serves the plan (BM 64, f32 weight scales, one split, default accumulation). Off:
 # compiled offline only (2026-12-06), not yet run on a GPU.
 FP8_WS_DOWN = False
+# The fp8 gate_up the same way (moe_gemm_fp8_ws.moe_gate_up_fp8_ws_kernel: 64-row tiles of one 128-column
+# quantization group, two 64-column halves one after the other). Off: compiled offline only (2026-12-06).
+FP8_WS_GATE_UP = False
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
 # on the H200 (benchmarks/RESULTS.md, 2026-12-03, seventh session): the GEMV
 # beat the MMA tiles 1.7x at T = 16 and 1.3x at T = 32 (N = 64, 128); its cost grows with pairs,
@@ -569,6 +572,8 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
         xq, xs = _launch_fp8_quant(x_rows, plan.G, pdl=plan.pdl)
         ws = _u8(w.gate_up_scale)
         sbn = w.quant.block[0]
+        if not has_bias and _launch_fp8_gate_up_ws(plan, xq, xs, top_k_div, w, ws, t, sbn, limit, alpha, config):
+            return
         if (_fp8_tma_ok(plan, t, sbn) and plan.quant_out and not w.interleaved
                 and _tma_weights_ok(t, gu, plan.I, plan.H, w.gate_up_bias)
                 and _launch_tma("fp8_gate_up", (plan.cfg.block_m, t), lambda: _launch_fp8_gate_up_tma(
@@ -682,6 +687,30 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
         GROUP_M=t.group_m, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm, FUSED=fused,
         IMPRECISE=_imprecise_acc(plan, t), FLAT=flat, launch_pdl=plan.pdl,
     )
+
+
+def _launch_fp8_gate_up_ws(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top_k_div: int, w: ExpertWeights,
+                           ws: torch.Tensor, t: GemmTile, sbn: int, limit: float, alpha: float,
+                           config: MoEConfig) -> bool:
+    """The fp8 gate_up by the Gluon kernel (FP8_WS_GATE_UP) where it serves the plan; False leaves it to the
+    Triton kernels. Default accumulation only (plan.imprecise unset), f32 scales, the linear layout."""
+    if (not FP8_WS_GATE_UP or ws.dtype != torch.float32 or plan.imprecise or not plan.quant_out or w.interleaved
+            or w.layout != "linear" or _imprecise_acc(plan, t) is not None):
+        return False
+    from .triton_ws import fp8_ws_gate_up_stages, launch_gate_up_fp8_ws, ws_device_ok, ws_rows_ok
+
+    stages = fp8_ws_gate_up_stages(plan.cfg.block_m, t.block_n, t.block_k, plan.H, plan.I, sbn,
+                                   config.activation)
+    if (stages is None or not ws_device_ok(plan.aq_PI) or not w.gate_up.is_contiguous()
+            or not ws_rows_ok(xq, xq.dtype)):
+        return False
+    dev = plan.aq_PI.device
+    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    return _launch_tma("fp8_ws_gate_up", (plan.cfg.block_m, t.block_k, stages, config.activation),
+                       lambda: launch_gate_up_fp8_ws(
+                           xq, xs, w.gate_up, ws, plan.aq_PI, plan.as_PG, plan.sorted_P, plan.block_expert_B, plan.N,
+                           top_k_div, plan.max_blocks, sbn, t.block_k, stages, config.activation, limit, alpha,
+                           t.group_m, sms))
 
 
 def _launch_fp8_down_ws(plan: _Plan, w: ExpertWeights, ws: torch.Tensor, t: GemmTile, sbn: int) -> bool:

@@ -244,3 +244,41 @@ def launch_down_fp8_ws(aq_PI: torch.Tensor, as_PG: torch.Tensor, W: torch.Tensor
         *ws.stride(), y_NH.stride(0), NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages,
         num_warps=CONSUMER_WARPS.value,
     )
+
+
+def fp8_ws_gate_up_stages(block_m: int, block_n: int, block_k: int, H: int, I: int, sbn: int,
+                          activation: str) -> int | None:
+    """STAGES of the warp-specialised fp8 gate_up (moe_gemm_fp8_ws) for the plan's tiles, or None where it does
+    not serve: BM 64 plans, the plan's BN = BK = 128 (one quantization group a tile, one scale a K step),
+    128 | I and H, 128 | sbn, an activation with a Gluon form."""
+    if (block_m != TILE_M or block_n != 128 or block_k != 128 or I % 128 or H % block_k or sbn % 128
+            or activation not in _WS_ACTIVATIONS):
+        return None
+    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + 128) * block_k))  # e4m3: a byte a value
+    return stages if stages >= GU_MIN_STAGES else None
+
+
+def launch_gate_up_fp8_ws(xq: torch.Tensor, xs: torch.Tensor, W: torch.Tensor, ws: torch.Tensor, aq_PI: torch.Tensor,
+                          as_PG: torch.Tensor, sorted_P: torch.Tensor, block_expert_B: torch.Tensor, num_pairs: int,
+                          top_k_div: int, max_blocks: int, sbn: int, block_k: int, stages: int, activation: str,
+                          limit: float, alpha: float, group_m: int, num_programs: int) -> None:
+    """aq_PI / as_PG = quant(act(xq[pair(p) // top_k_div] @ W[e(p)]^T, scaled)) for every placed pair
+    (moe_gemm_fp8_ws.moe_gate_up_fp8_ws_kernel).
+
+    xq [M, H] e4m3 (16-byte aligned rows) and xs [M, H / BK] f32: the tokens' quantized rows; W [E, 2I, H] e4m3
+    contiguous (gate rows, then up rows); ws [E, ceil(2I / sbn), H / BK] f32; aq_PI [P, I] e4m3, as_PG
+    [P, I / 128] f32; stages from fp8_ws_gate_up_stages.
+    """
+    if ws.dtype != torch.float32:
+        raise TypeError(f"launch_gate_up_fp8_ws: ws dtype {ws.dtype}; expected float32")
+    from ..kernels.moe_gemm_fp8_ws import moe_gate_up_fp8_ws_kernel
+    from ..kernels.moe_gemm_ws import CONSUMER_WARPS
+
+    E, I2, H = W.shape
+    wd = _descriptor(W.view(E * I2, H), [TILE_M, block_k])  # a half's 64 gate (or up) rows
+    moe_gate_up_fp8_ws_kernel[(num_programs,)](
+        xq, xs, wd, ws, aq_PI, as_PG, sorted_P, block_expert_B, num_pairs, H, I2 // 2, top_k_div, max_blocks, sbn,
+        -(-(I2 // 2) // sbn), xq.stride(0), xs.stride(0), *ws.stride(), aq_PI.stride(0), as_PG.stride(0),
+        float(limit), float(alpha), ACT=_WS_ACTIVATIONS[activation], NUM_PROGS=num_programs, GROUP_M=group_m,
+        STAGES=stages, num_warps=CONSUMER_WARPS.value,
+    )

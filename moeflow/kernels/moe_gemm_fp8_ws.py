@@ -1,4 +1,5 @@
-"""Gluon kernel (Hopper): the FP8 block-scaled (W8A8) down GEMM, warp-specialised (issue 15 item 6).
+"""Gluon kernels (Hopper): the FP8 block-scaled (W8A8) down and gate_up GEMMs, warp-specialised (issue 15
+item 6).
 
 Why: the Triton fp8 GEMMs (moe_gemm_fp8_tma.py) leave the tensor pipe 33-43% busy at prefill (ncu, H100,
 benchmarks/RESULTS.md 2026-12-06 thirteenth session). Each K step of 128 (one scale group) is a fresh wgmma
@@ -11,34 +12,54 @@ tiles (moe_gemm_ws.py's ping-pong), so one consumer's scaling overlaps the other
 
 the same products, scaled and summed in the same K order, as moe_gemm_fp8_tma._fp8_down_rows
 (acc + dot * (sa * sw), one fused multiply-add an element): the same bits is the goal, checked on the GPU by
-tests/test_experts_triton_quant.py::test_gpu_fp8_ws_down_equals_the_tma_kernel_bitwise.
+tests/test_experts_triton_quant.py::test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise.
 
 Tiles: 64 rows (one warp group's wgmma M) x BN columns (<= 128: the product and the sum take 2 x BN / 2
 registers a thread) x BK = the scale group (128). BLOCK_M 64 plans only (the fp8 prefill tiles). f32 weight
 scales only (UE8M0 bytes: the host keeps the Triton kernel).
 
-Status: compiled offline for sm_90a (tests/test_gluon_ws.py); not yet run on a GPU, so nothing launches it
-(experts.triton_quant.FP8_WS_DOWN, off).
+The gate_up (below): the same schedule, its rows gathered by a producer warp group (cp.async), 64-row tiles of
+one 128-column quantization group in two 64-column halves.
+
+Status: compiled offline for sm_90a (tests/test_gluon_ws.py); not yet run on a GPU, so nothing launches them
+(experts.triton_quant.FP8_WS_DOWN / FP8_WS_GATE_UP, off). The GPU test:
+tests/test_experts_triton_quant.py::test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise.
 """
 
 from __future__ import annotations
 
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier, warpgroup_mma, warpgroup_mma_wait
+from triton.experimental.gluon.language.nvidia.hopper import (
+    async_copy,
+    mbarrier,
+    tma,
+    warpgroup_mma,
+    warpgroup_mma_wait,
+)
 
 from .moe_gemm_ws import (
     CONSUMER_REGS,
     CONSUMER_WARPS,
+    GU_CONSUMER_REGS,
+    GU_COPY_DEPTH,
+    GU_PRODUCER_REGS,
+    GU_PRODUCER_WARPS,
     PRODUCER_REGS,
     PRODUCER_WARPS,
     TILE_M,
+    _ws_activate,
     _ws_down_load,
     _ws_init_barriers,
     _ws_live,
+    _ws_rows_drain,
+    _ws_rows_hand_over,
     _ws_tile_ids,
     _ws_used_blocks,
 )
+
+# e4m3's largest finite value (moe_gemm_quant.FP8_MAX)
+_FP8_MAX = gl.constexpr(448.0)
 
 
 @gluon.jit
@@ -158,3 +179,205 @@ def moe_down_fp8_ws_kernel(ad, wd, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expe
                                     block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn,
                                     stride_wsk, stride_yn, NUM_PROGS, GROUP_M)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------------------- gate_up
+# The fp8 gate_up in the same ping-pong schedule. A tile is 64 rows x G = 128 columns of I (one quantization
+# group: the epilogue quantizes whole groups, as moe_gemm_fp8_tma's). Its gate and up sums of 128 columns
+# each, plus a product, would not fit a consumer's registers, so the tile runs as two halves of 64 columns
+# one after the other: a half's stage holds the gate rows n0 + 64h .. and the up rows I + n0 + 64h .. of the
+# weights ([128, BK]: one m64 x 128 x k32 wgmma chain a K step, columns [0, 64) gate, [64, 128) up), and the
+# tile's 64 activation rows, gathered again for the second half (from L2). The first half's activation
+# (64 x 64 f32, 32 registers a thread) waits in registers for the second; then the group's row maxima, the
+# scales and the e4m3 codes, stored by row.
+
+
+@gluon.jit
+def _fp8_ws_gate_up_load(xq_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H,
+                         I, top_k, stride_xq, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
+    """Producer (a warp group): for each live tile, each half, each K step, the two weight boxes by TMA and
+    the tile's 64 activation rows by cp.async (xq[token of each row], zeros for padding rows), handed over
+    GU_COPY_DEPTH stages later behind a proxy fence (moe_gemm_ws._ws_gate_up_load)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    HALF: gl.constexpr = wd.block_type.shape[0]
+    TPW_K: gl.constexpr = BLOCK_K // 16  # 16-byte chunks of e4m3: 16 values
+    copy_layout: gl.constexpr = gl.BlockedLayout([1, 16], [32 // TPW_K, TPW_K], [GU_PRODUCER_WARPS, 1], [1, 0])
+    rows: gl.constexpr = gl.SliceLayout(1, copy_layout)
+    cols: gl.constexpr = gl.SliceLayout(0, copy_layout)
+    n_n = gl.cdiv(I, 2 * HALF)
+    k_tiles = gl.cdiv(H, BLOCK_K)
+    offs_k = gl.arange(0, BLOCK_K, layout=cols)
+    c = 0
+    for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
+        pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
+        if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
+            e = gl.load(block_expert_ptr + pid_r)
+            pair = gl.load(sorted_ptr + pid_r * TILE_M + gl.arange(0, TILE_M, layout=rows))
+            row_ok = pair < num_pairs
+            tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
+            a_ptrs = xq_ptr + gl.expand_dims(tok * stride_xq, 1) + gl.expand_dims(offs_k, 0)
+            a_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_k < BLOCK_K, 0)
+            for h in range(2):
+                row_g = e * (2 * I) + pid_n * (2 * HALF) + h * HALF
+                for kt in range(k_tiles):
+                    s = c % STAGES
+                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                    bar = ready.index(s)
+                    mbarrier.expect(bar, 2 * wd.block_type.nbytes)
+                    b = b_bufs.index(s)
+                    tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, HALF))
+                    tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(HALF, HALF))
+                    async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
+                    _ws_rows_hand_over(ready, c, STAGES)
+                    c += 1
+    _ws_rows_drain(ready, c, STAGES)
+
+
+@gluon.jit
+def _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c, k_tiles, sa_ptrs, sg_ptr, su_ptr, stride_wsk, row_ok):
+    """One half of a tile from ring position c: its f32 sums [64, 128] (gate columns, then up), per K step
+    sum + product * (sa * sw_gate | sa * sw_up) as moe_gemm_fp8_tma's fused form."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    N: gl.constexpr = b_bufs.type.shape[1]
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, N, 32])
+    is_g = gl.expand_dims(gl.arange(0, N, layout=gl.SliceLayout(0, mma_layout)) < N // 2, 0)
+    acc = gl.zeros([TILE_M, N], gl.float32, layout=mma_layout)
+    zero = gl.zeros([TILE_M, N], gl.float32, layout=mma_layout)
+    for kt in range(k_tiles):
+        s = c % STAGES
+        sa = gl.load(sa_ptrs + kt, mask=row_ok, other=0.0)
+        cg = gl.expand_dims(sa * gl.load(sg_ptr + kt * stride_wsk), 1)
+        cu = gl.expand_dims(sa * gl.load(su_ptr + kt * stride_wsk), 1)
+        mbarrier.wait(ready.index(s), (c // STAGES) & 1)
+        prod = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
+        mbarrier.arrive(empty.index(s), count=1)
+        acc = acc + prod * gl.where(is_g, cg, cu)
+        c += 1
+    return acc
+
+
+@gluon.jit
+def _fp8_ws_quant_half(out, amax_s, offs_p, row_ok, offs_j, aq_ptr, stride_aq):
+    """Store one half's e4m3 codes: out / s clamped to +-448 (IEEE division, round to nearest even)."""
+    out, s = gl.broadcast(out, gl.expand_dims(amax_s, 1))
+    q = gl.div_rn(out, s)
+    q = gl.minimum(gl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    ptrs = aq_ptr + gl.expand_dims(offs_p.to(gl.int64) * stride_aq, 1) + gl.expand_dims(offs_j, 0)
+    gl.store(ptrs, q.to(aq_ptr.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
+
+
+@gluon.jit
+def _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
+                        block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xs, stride_wse,
+                        stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT: gl.constexpr,
+                        NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
+    """Consumer WHICH: the live tiles j with j % 2 == WHICH: two halves, act(g, u) each, then the group's
+    quantization (moe_gemm_quant._fp8_quant_store's numbers) stored by row."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    N: gl.constexpr = b_bufs.type.shape[1]
+    HALF: gl.constexpr = N // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, N, 32])
+    n_n = gl.cdiv(I, N)
+    k_tiles = gl.cdiv(H, BLOCK_K)
+    i = 0
+    j = 0
+    for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
+        pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
+        if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
+            if j % 2 == WHICH:
+                if (WHICH == 1) | (i > 0):
+                    mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
+                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
+                pair = gl.load(sorted_ptr + offs_p)
+                row_ok = pair < num_pairs
+                tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
+                sa_ptrs = xs_ptr + tok * stride_xs
+                e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
+                sg_ptr = ws_ptr + e * stride_wse + ((pid_n * N) // sbn) * stride_wsn
+                su_ptr = sg_ptr + g_rows * stride_wsn
+                c = j * 2 * k_tiles
+                acc = _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c, k_tiles, sa_ptrs, sg_ptr, su_ptr,
+                                           stride_wsk, row_ok)
+                g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, HALF]), [0, 2, 1]))
+                out0 = _ws_activate(g, u, limit, alpha, ACT)
+                acc = _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c + k_tiles, k_tiles, sa_ptrs, sg_ptr,
+                                           su_ptr, stride_wsk, row_ok)
+                mbarrier.arrive(order.index(WHICH), count=1)  # every wait of this tile passed
+                i += 1
+                g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, HALF]), [0, 2, 1]))
+                out1 = _ws_activate(g, u, limit, alpha, ACT)
+                amax = gl.maximum(gl.max(gl.abs(out0), axis=1), gl.max(gl.abs(out1), axis=1))
+                scale = gl.where(amax > 0, gl.div_rn(amax, gl.full(amax.shape, _FP8_MAX, gl.float32, amax.type.layout)),
+                                 1.0)
+                offs_q = gl.convert_layout(offs_p, gl.SliceLayout(1, out0.type.layout))
+                ok_q = gl.convert_layout(row_ok, gl.SliceLayout(1, out0.type.layout))
+                offs_j = pid_n * N + gl.arange(0, HALF, layout=gl.SliceLayout(0, out0.type.layout))
+                _fp8_ws_quant_half(out0, scale, offs_q, ok_q, offs_j, aq_ptr, stride_aq)
+                _fp8_ws_quant_half(out1, scale, offs_q, ok_q, offs_j + HALF, aq_ptr, stride_aq)
+                gl.store(as_ptr + offs_q.to(gl.int64) * stride_as + pid_n, scale, mask=ok_q)
+            j += 1
+
+
+@gluon.jit
+def _fp8_ws_gate_up_mma_worker(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, order,
+                               sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xq,
+                               stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
+                               ACT: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
+    """Consumer 1 (a worker partition: the odd live tiles)."""
+    _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
+                        block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xs, stride_wse, stride_wsn,
+                        stride_wsk, stride_aq, stride_as, limit, alpha, ACT, NUM_PROGS, GROUP_M, 1)
+
+
+@gluon.jit
+def _fp8_ws_gate_up_load_worker(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, order,
+                                sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xq,
+                                stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
+                                ACT: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
+    """The producer (a worker partition)."""
+    _fp8_ws_gate_up_load(xq_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H,
+                         I, top_k, stride_xq, NUM_PROGS, GROUP_M)
+
+
+@gluon.jit
+def moe_gate_up_fp8_ws_kernel(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, num_pairs, H,
+                              I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk,
+                              stride_aq, stride_as, limit, alpha, ACT: gl.constexpr, NUM_PROGS: gl.constexpr,
+                              GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """aq_PI / as_PG like moe_gemm_fp8_tma.moe_gate_up_fp8_tma_kernel (BLOCK_M 64, BN = BK = the group 128,
+    f32 weight scales, the linear layout [E, 2I, H]).
+
+    xq_ptr [*, H] e4m3 token rows (unit column stride, 16-byte aligned rows), xs_ptr [*, H / BK] f32; wd: Gluon
+    TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [64, BK] (a half's gate or up rows);
+    ws_ptr [E, ceil(2I / sbn), H / BK] f32 (g_rows = ceil(I / sbn): the up rows' first scale block); aq_ptr
+    aq_PI [P, I] e4m3, as_ptr as_PG [P, I / 128] f32. Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
+    """
+    gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
+    HALF: gl.constexpr = wd.block_type.shape[0]
+    BLOCK_K: gl.constexpr = wd.block_type.shape[1]
+    gl.static_assert(HALF == 64, "a half is 64 columns of gate and 64 of up: one m64 x 128 wgmma")
+    gl.static_assert(BLOCK_K % 32 == 0 and BLOCK_K <= 256, "fp8 wgmma k32 steps; 16-byte row chunks")
+    gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
+    a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], wd.dtype)
+    a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, TILE_M, BLOCK_K], a_layout)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, 2 * HALF, BLOCK_K], wd.layout)
+    ready, empty, order = _ws_init_barriers(STAGES, 2, 1)
+    used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
+    gl.warp_specialize([
+        (_fp8_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
+                               block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xs, stride_wse,
+                               stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT, NUM_PROGS, GROUP_M,
+                               0)),
+        (_fp8_ws_gate_up_mma_worker, (xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, order,
+                                      sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows,
+                                      stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as,
+                                      limit, alpha, ACT, NUM_PROGS, GROUP_M)),
+        (_fp8_ws_gate_up_load_worker, (xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty,
+                                       order, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows,
+                                       stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as,
+                                       limit, alpha, ACT, NUM_PROGS, GROUP_M)),
+    ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])

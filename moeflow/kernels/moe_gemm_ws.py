@@ -426,15 +426,26 @@ def _ws_gate_up_load(x_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_
                     tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, BLOCK_N))
                     tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(BLOCK_N, BLOCK_N))
                 async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
-                async_copy.commit_group()
-                # the row copies of GU_COPY_DEPTH stages ago are complete: fence them into the async proxy
-                # and hand that stage over
-                async_copy.wait_group(GU_COPY_DEPTH)
-                fence_async_shared()
-                gl.thread_barrier()  # every thread's fence before the one arrival (made by one thread)
-                done = c - GU_COPY_DEPTH
-                mbarrier.arrive(ready.index((done + STAGES) % STAGES), count=1, pred=done >= 0)
+                _ws_rows_hand_over(ready, c, STAGES)
                 c += 1
+    _ws_rows_drain(ready, c, STAGES)
+
+
+@gluon.jit
+def _ws_rows_hand_over(ready, c, STAGES: gl.constexpr):
+    """After ring position c's row copies are issued: commit them; those of GU_COPY_DEPTH positions ago are
+    then complete, so fence them into the async proxy and hand that stage over (its "ready" arrival)."""
+    async_copy.commit_group()
+    async_copy.wait_group(GU_COPY_DEPTH)
+    fence_async_shared()
+    gl.thread_barrier()  # every thread's fence before the one arrival (made by one thread)
+    done = c - GU_COPY_DEPTH
+    mbarrier.arrive(ready.index((done + STAGES) % STAGES), count=1, pred=done >= 0)
+
+
+@gluon.jit
+def _ws_rows_drain(ready, c, STAGES: gl.constexpr):
+    """After the last position c - 1: complete, fence and hand over the stages still in flight."""
     async_copy.wait_group(0)
     fence_async_shared()
     gl.thread_barrier()
