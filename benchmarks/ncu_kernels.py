@@ -62,6 +62,9 @@ class Case:
     # experts_ws cases: the cooperative schedule paced or not (experts.triton.WS_PACE: padding halves computed);
     # None: the library's default (paced since 2026-12-06; the ws_* results before that date are unpaced)
     pace: bool | None = None
+    # quant cases: the fp8 GEMMs by the warp-specialised Gluon kernels (experts.triton_quant.FP8_WS_DOWN and
+    # FP8_WS_GATE_UP on; moe_gemm_fp8_ws.py)
+    fp8_ws: bool = False
 
     @property
     def tiny_shape(self) -> str:
@@ -186,6 +189,12 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=2 (issue 15: 0.81 of the HBM roof)"),
     Case("quant_fp8_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3 (issue 15: 1.17x our bf16)", tiny_T=64),
+    # the same two through the Gluon warp-specialised fp8 GEMMs (same bits; on the H100 2026-12-06 no faster:
+    # deepseek-v3 T=8192 13.3 ms against 9.9 with the Gluon gate_up)
+    Case("quant_fp8ws_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
+         "TritonQuantExperts(fp8=True), Gluon fp8 gate_up and down (FP8_WS_*), T=8192", tiny_T=64, fp8_ws=True),
+    Case("quant_fp8ws_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
+         "TritonQuantExperts(fp8=True), Gluon fp8 gate_up and down (FP8_WS_*), T=8192", tiny_T=64, fp8_ws=True),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 TINY_ROUTER_H = 256  # router hidden size under --tiny (the interpreter is slow)
@@ -315,6 +324,9 @@ def _setup_quant(case: Case, tiny: bool, dev):
     del plain  # only the quantized bytes stay resident
     ids, wts = routing(T, E, K, "uniform", dev, seed=0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, act_dtype)
+    if case.fp8_ws:  # this process profiles nothing else (one case a process)
+        import moeflow.experts.triton_quant as TQ
+        TQ.FP8_WS_DOWN = TQ.FP8_WS_GATE_UP = True
     impl = TritonQuantExperts(allow_cpu=tiny, fp8=True)
     n_distinct = int(torch.unique(ids).numel())
     info = dict(impl=repr(impl), shape=name, fmt=spec["fmt"], T=T, E=E, K=K, H=H, I=I, dtype=str(act_dtype),
