@@ -188,25 +188,27 @@ def test_ws_gate_up_compiles_with_fenced_row_copies(bm, bn, bk, stages, act, mat
 def test_fp8_ws_down_tiles():
     from moeflow.experts.triton_ws import fp8_ws_down_tiles
 
-    assert fp8_ws_down_tiles(64, 128, 128, 7168, 2048, 128) == (128, 128, 6)  # deepseek-v3: 6 stages of 24 KB
-    assert fp8_ws_down_tiles(64, 256, 128, 2048, 768, 128) == (128, 128, 6)  # BN capped at 128 (registers)
+    # deepseek-v3: a consumer's 128 columns, tiles of 64 x 256, 5 stages of 40 KB
+    assert fp8_ws_down_tiles(64, 128, 128, 7168, 2048, 128) == (128, 128, 5)
+    assert fp8_ws_down_tiles(64, 256, 128, 2048, 768, 128) == (128, 128, 5)  # BN capped at 128 (registers)
     assert fp8_ws_down_tiles(128, 128, 128, 7168, 2048, 128) is None  # BM 128 plans keep the Triton kernel
     assert fp8_ws_down_tiles(64, 128, 128, 7168, 2000, 128) is None  # BK does not divide I
-    assert fp8_ws_down_tiles(64, 128, 128, 96, 2048, 128) == (32, 128, 6)  # H 96: the widest BN dividing it
+    assert fp8_ws_down_tiles(64, 128, 128, 96, 2048, 128) == (16, 128, 6)  # H 96: the widest 2BN dividing it
 
 
 @needs_gluon
-@pytest.mark.parametrize("bn,stages", [(128, 6), (64, 6)])
+@pytest.mark.parametrize("bn,stages", [(128, 5), (64, 6)])
 def test_fp8_ws_down_compiles_with_the_scaling_off_the_other_consumer(bn, stages):
-    """moe_gemm_fp8_ws.moe_down_fp8_ws_kernel (sm_90a, offline): three partitions with CUTLASS's register
-    split, no spill; a consumer's K step is one ring wait, BK / 32 m64 x BN x k32 e4m3 wgmmas, their wait,
-    one release and BN / 2 FFMAs (product x scale into the sum); its only barrier is its own warp group's
-    (128 threads), never the CTA's, so the other consumer's wgmmas run during the scaling."""
+    """moe_gemm_fp8_ws.moe_down_fp8_ws_kernel (sm_90a, offline; weight box [2BN, BK], a consumer's BN columns):
+    three partitions with CUTLASS's register split, no spill; a consumer's K step is one ring wait, BK / 32
+    m64 x BN x k32 e4m3 wgmmas, their wait, one release and BN / 2 FFMAs (product x scale into the sum); its
+    only barrier is its own warp group's (128 threads), never the CTA's, so the other consumer's wgmmas run
+    during the scaling."""
     from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
     from moeflow.kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_kernel
 
     bk = 128
-    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [bn, bk]), as_ptr="*fp32",
+    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [2 * bn, bk]), as_ptr="*fp32",
                  ws_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
     k = compile_kernel(moe_down_fp8_ws_kernel, types, dict(NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4),
                        num_warps=4, div16=("H", "I", "stride_yn", "stride_as"))
@@ -228,7 +230,7 @@ def test_fp8_ws_down_compiles_with_the_scaling_off_the_other_consumer(bn, stages
 def test_fp8_ws_gate_up_stages():
     from moeflow.experts.triton_ws import fp8_ws_gate_up_stages
 
-    assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "silu") == 6  # 6 stages of 24 KB
+    assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "silu") == 5  # 5 stages of 40 KB
     assert fp8_ws_gate_up_stages(64, 64, 128, 7168, 2048, 128, "silu") is None  # a tile is one 128-column group
     assert fp8_ws_gate_up_stages(128, 128, 128, 7168, 2048, 128, "silu") is None  # BM 64 plans only
     assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "relu2") is None  # no Gluon form of it
@@ -247,7 +249,7 @@ def test_fp8_ws_gate_up_compiles_with_the_scaling_off_the_other_consumer(act):
     types = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", wd=gluon_desc_type("fp8e4nv", [64, 128]), ws_ptr="*fp32",
                  aq_ptr="*fp8e4nv", as_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", limit="fp32",
                  alpha="fp32")
-    k = compile_kernel(moe_gate_up_fp8_ws_kernel, types, dict(ACT=act, NUM_PROGS=132, GROUP_M=8, STAGES=6,
+    k = compile_kernel(moe_gate_up_fp8_ws_kernel, types, dict(ACT=act, NUM_PROGS=132, GROUP_M=8, STAGES=5,
                                                               num_warps=4),
                        num_warps=4, div16=("H", "I", "stride_xq", "stride_aq"))
     ptx, sass = k.asm["ptx"], sass_text(k)

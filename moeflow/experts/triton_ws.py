@@ -207,15 +207,15 @@ def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Ten
 def fp8_ws_down_tiles(block_m: int, block_n: int, block_k: int, H: int, I: int, sbn: int
                       ) -> tuple[int, int, int] | None:
     """(BN, BK, STAGES) of the warp-specialised fp8 down GEMM (moe_gemm_fp8_ws) for the plan's tiles, or None
-    where it does not serve: BM 64 plans only (ping-pong 64-row tiles), BK = the plan's (one scale group a
-    K step) dividing I, BN <= 128 (the sum and one product in registers) dividing H and the weight-scale
-    block sbn."""
+    where it does not serve: BM 64 plans only (64-row tiles), BK = the plan's (one scale group a K step)
+    dividing I. BN is one consumer's columns: the plan's, at most 128 (the sum and one product in registers),
+    dividing the weight-scale block sbn; a tile is 64 x 2BN (both consumers), so 2BN divides H."""
     if block_m != TILE_M or I % block_k or block_k % 32:
         return None
-    bn = next((b for b in (min(block_n, 128), 64, 32, 16) if H % b == 0 and sbn % b == 0), None)
+    bn = next((b for b in (min(block_n, 128), 64, 32, 16) if H % (2 * b) == 0 and sbn % b == 0), None)
     if bn is None:
         return None
-    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + bn) * block_k))  # e4m3: one byte a value
+    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + 2 * bn) * block_k))  # e4m3: one byte a value
     return (bn, block_k, stages) if stages >= 2 else None
 
 
@@ -238,7 +238,7 @@ def launch_down_fp8_ws(aq_PI: torch.Tensor, as_PG: torch.Tensor, W: torch.Tensor
     BN, BK, stages = tiles
     E, H, I = W.shape
     ad = _descriptor(aq_PI, [TILE_M, BK])
-    wd = _descriptor(W.view(E * H, I), [BN, BK])
+    wd = _descriptor(W.view(E * H, I), [2 * BN, BK])  # both consumers' columns
     moe_down_fp8_ws_kernel[(num_programs,)](
         ad, wd, as_PG, ws, y_NH, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, sbn, as_PG.stride(0),
         *ws.stride(), y_NH.stride(0), NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages,
@@ -254,7 +254,8 @@ def fp8_ws_gate_up_stages(block_m: int, block_n: int, block_k: int, H: int, I: i
     if (block_m != TILE_M or block_n != 128 or block_k != 128 or I % 128 or H % block_k or sbn % 128
             or activation not in _WS_ACTIVATIONS):
         return None
-    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + 128) * block_k))  # e4m3: a byte a value
+    # a stage: the tile's 64 rows and both consumers' gate and up rows (4 x 64)
+    stages = min(MAX_STAGES, SMEM_BYTES // ((TILE_M + 256) * block_k))  # e4m3: a byte a value
     return stages if stages >= GU_MIN_STAGES else None
 
 
@@ -275,7 +276,7 @@ def launch_gate_up_fp8_ws(xq: torch.Tensor, xs: torch.Tensor, W: torch.Tensor, w
     from ..kernels.moe_gemm_ws import CONSUMER_WARPS
 
     E, I2, H = W.shape
-    wd = _descriptor(W.view(E * I2, H), [TILE_M, block_k])  # a half's 64 gate (or up) rows
+    wd = _descriptor(W.view(E * I2, H), [TILE_M, block_k])  # 64 gate (or up) rows: a stage holds four
     moe_gate_up_fp8_ws_kernel[(num_programs,)](
         xq, xs, wd, ws, aq_PI, as_PG, sorted_P, block_expert_B, num_pairs, H, I2 // 2, top_k_div, max_blocks, sbn,
         -(-(I2 // 2) // sbn), xq.stride(0), xs.stride(0), *ws.stride(), aq_PI.stride(0), as_PG.stride(0),

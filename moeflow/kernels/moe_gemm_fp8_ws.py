@@ -4,24 +4,33 @@ item 6).
 Why: the Triton fp8 GEMMs (moe_gemm_fp8_tma.py) leave the tensor pipe 33-43% busy at prefill (ncu, H100,
 benchmarks/RESULTS.md 2026-12-06 thirteenth session). Each K step of 128 (one scale group) is a fresh wgmma
 chain whose product is scaled into the f32 sum: the warps wait for the wgmmas, pass a CTA barrier, then
-scale with FFMAs, all warp groups in lock step, so the tensor pipe idles while they scale. DeepGEMM's cure
-is this schedule: a producer warp feeds a TMA ring, two consumer warp groups run out of phase on their own
-tiles (moe_gemm_ws.py's ping-pong), so one consumer's scaling overlaps the other's wgmmas; mbarriers only.
+scale with FFMAs, all warp groups in lock step, so the tensor pipe idles while they scale. DeepGEMM's cure:
+a producer warp feeds a TMA ring and two consumer warp groups share each tile, each waiting only for its own
+wgmmas and mbarriers, never a CTA barrier, so they drift out of phase and one's scaling overlaps the other's
+wgmmas.
 
     y_NH[pair(p)] = sum_kt (aq_PI[p, kt] @ Wq[e(p)][:, kt]^T) * (as_PG[p, kt] * ws[e(p), n // sbn, kt])
 
 the same products, scaled and summed in the same K order, as moe_gemm_fp8_tma._fp8_down_rows
-(acc + dot * (sa * sw), one fused multiply-add an element): the same bits is the goal, checked on the GPU by
+(acc + dot * (sa * sw), one fused multiply-add an element): the same bits, checked on the GPU by
 tests/test_experts_triton_quant.py::test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise.
 
-Tiles: 64 rows (one warp group's wgmma M) x BN columns (<= 128: the product and the sum take 2 x BN / 2
-registers a thread) x BK = the scale group (128). BLOCK_M 64 plans only (the fp8 prefill tiles). f32 weight
-scales only (UE8M0 bytes: the host keeps the Triton kernel).
+Tiles (the Triton fp8 kernels' BLOCK_M 64 plans): 64 rows (one warp group's wgmma M) x 2BN columns, split
+between the consumers by columns (BN <= 128 each: the sum and one product take BN registers a thread) x BK =
+the scale group (128). The 64 act rows of a stage serve both consumers, so act and weight traffic are the
+Triton kernels' (a BN-wide tile each) or less. f32 weight scales only (UE8M0 bytes: the host keeps the
+Triton kernel).
 
-The gate_up (below): the same schedule, its rows gathered by a producer warp group (cp.async), 64-row tiles of
-one 128-column quantization group in two 64-column halves.
+History: the first version (2026-12-06, fourteenth session) ran ping-pong (CUTLASS's schedule: the consumers
+alternate whole tiles, only epilogues overlap) and gave the same bits, but no speed: ping-pong serialises
+the main loops, so the scaling never overlapped a wgmma, and its gate_up ran a tile's two column halves one
+after the other, gathering the act rows twice (ncu: deepseek-v3 T=8192 gate_up 10.5 ms, 28 GB from DRAM and
+an L2 hit rate of 30%, against the Triton kernel's 5.5 ms, 11 GB, 56%).
 
-Status: compiled offline for sm_90a (tests/test_gluon_ws.py); not yet run on a GPU, so nothing launches them
+The gate_up (below): its rows gathered by a producer warp group (cp.async), 64-row tiles of one 128-column
+quantization group, the group's columns split between the consumers.
+
+Status: compiled offline for sm_90a (tests/test_gluon_ws.py); nothing launches them by default
 (experts.triton_quant.FP8_WS_DOWN / FP8_WS_GATE_UP, off). The GPU test:
 tests/test_experts_triton_quant.py::test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise.
 """
@@ -63,18 +72,16 @@ _FP8_MAX = gl.constexpr(448.0)
 
 
 @gluon.jit
-def _fp8_ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok,
-                         WHICH: gl.constexpr):
-    """Consumer WHICH's i-th tile, the CTA's j-th live tile: its f32 sum [64, N] (ping-pong turns as
-    moe_gemm_ws._ws_consume_tile). Per K step: the step's scales loaded before the stage's wait (their
-    latency hides behind it), one fresh m64 x N x k32 wgmma chain, its wait, the stage freed, then
-    sum + product * (sa * sw)."""
+def _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok,
+                      WHICH: gl.constexpr):
+    """Consumer WHICH's columns of the CTA's j-th live tile: its f32 sum [64, N] (N = half the stage's weight
+    rows: consumer WHICH reads rows [WHICH * N, WHICH * N + N) of the box). Per K step: the step's scales loaded
+    before the stage's wait (their latency hides behind it), one fresh m64 x N x k32 wgmma chain, its wait, the
+    stage freed (one of its two arrivals), then sum + product * (sa * sw)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    N: gl.constexpr = b_bufs.type.shape[1]
+    N: gl.constexpr = b_bufs.type.shape[1] // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, N, 32])
-    if (WHICH == 1) | (i > 0):
-        mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
     acc = gl.zeros([TILE_M, N], gl.float32, layout=mma_layout)
     zero = gl.zeros([TILE_M, N], gl.float32, layout=mma_layout)
     c = j * k_tiles
@@ -82,66 +89,65 @@ def _fp8_ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, sa_
         s = c % STAGES
         sc = gl.load(sa_ptrs + kt, mask=row_ok, other=0.0) * gl.load(sw_ptr + kt * stride_wsk)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        prod = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        b = b_bufs.index(s).slice(WHICH * N, N).permute((1, 0))
+        prod = warpgroup_mma(a_bufs.index(s), b, zero, use_acc=False, is_async=True)
         prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
         mbarrier.arrive(empty.index(s), count=1)
         acc = acc + prod * gl.expand_dims(sc, 1)
         c += 1
-    mbarrier.arrive(order.index(WHICH), count=1)
     return acc
 
 
 @gluon.jit
-def _fp8_ws_down_mma(a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used,
+def _fp8_ws_down_mma(a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used,
                      num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
                      NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
-    """Consumer WHICH (0 or 1): the live 64-row tiles j with j % 2 == WHICH, their wgmmas, scaling and rows
-    stored by pair."""
+    """Consumer WHICH (0 or 1): columns [WHICH * BN, WHICH * BN + BN) of every live 64 x 2BN tile: its wgmmas,
+    scaling and rows stored by pair."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
     row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
     col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    n_n = gl.cdiv(H, BLOCK_N)
+    n_n = gl.cdiv(H, 2 * BLOCK_N)
     k_tiles = gl.cdiv(I, BLOCK_K)
-    i = 0  # this consumer's tiles so far
-    j = 0  # the CTA's live tiles so far (both consumers'): the producer's order
+    j = 0  # the CTA's live tiles so far: the producer's order
     for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
-            if j % 2 == WHICH:
-                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
-                pair = gl.load(sorted_ptr + offs_p)
-                row_ok = pair < num_pairs
-                e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
-                sa_ptrs = as_ptr + offs_p.to(gl.int64) * stride_as
-                sw_ptr = ws_ptr + e * stride_wse + ((pid_n * BLOCK_N) // sbn) * stride_wsn
-                acc = _fp8_ws_consume_tile(a_bufs, b_bufs, ready, empty, order, i, j, k_tiles, sa_ptrs, sw_ptr,
-                                           stride_wsk, row_ok, WHICH)
-                i += 1
-                offs_h = pid_n * BLOCK_N + gl.arange(0, BLOCK_N, layout=col_layout)
-                y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
-                mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
-                gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
+            pair = gl.load(sorted_ptr + offs_p)
+            row_ok = pair < num_pairs
+            e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
+            col0 = pid_n * (2 * BLOCK_N) + WHICH * BLOCK_N
+            sa_ptrs = as_ptr + offs_p.to(gl.int64) * stride_as
+            sw_ptr = ws_ptr + e * stride_wse + (col0 // sbn) * stride_wsn
+            acc = _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok,
+                                    WHICH)
+            offs_h = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
+            y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
+            mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
+            gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
             j += 1
 
 
 @gluon.jit
-def _fp8_ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+def _fp8_ws_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr,
                             block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn,
                             stride_wsk, stride_yn, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
-    """Consumer 1 (a worker partition: the odd live tiles)."""
-    _fp8_ws_down_mma(a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used,
+    """Consumer 1 (a worker partition: the right half of every tile's columns)."""
+    _fp8_ws_down_mma(a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used,
                      num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, NUM_PROGS,
                      GROUP_M, 1)
 
 
 @gluon.jit
-def _fp8_ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+def _fp8_ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr,
                              block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn,
                              stride_wsk, stride_yn, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
-    """The producer (a worker partition): moe_gemm_ws._ws_down_load's TMA ring, 64-row tiles."""
+    """The producer (a worker partition): moe_gemm_ws._ws_down_load's TMA ring, 64-row tiles, the weight box
+    [2BN, BK] both consumers' columns."""
     _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, 1,
                   NUM_PROGS, GROUP_M, False)
 
@@ -153,50 +159,51 @@ def moe_down_fp8_ws_kernel(ad, wd, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expe
     """y_NH[pair] like moe_gemm_fp8_tma.moe_down_fp8_tma_kernel (one split, BLOCK_M 64, f32 weight scales).
 
     ad: Gluon TensorDescriptor over aq_PI [P, I] e4m3, block [64, BK]; wd: over the e4m3 down weights viewed
-    [E * H, I], block [BN, BK] (BN <= 128, BN | H, BN | sbn, BK = the scale group, BK | I); as_ptr: as_PG
-    [P, I / BK] f32; ws_ptr: ws [E, ceil(H / sbn), I / BK] f32; y_ptr: y_NH [N, H] rows by pair. Grid
+    [E * H, I], block [2BN, BK] (a consumer's BN <= 128, 2BN | H, BN | sbn, BK = the scale group, BK | I); as_ptr:
+    as_PG [P, I / BK] f32; ws_ptr: ws [E, ceil(H / sbn), I / BK] f32; y_ptr: y_NH [N, H] rows by pair. Grid
     (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition).
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles (ping-pong)")
+    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles")
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
-    BLOCK_N: gl.constexpr = wd.block_type.shape[0]
+    BOX_N: gl.constexpr = wd.block_type.shape[0]
     gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
-    gl.static_assert(BLOCK_N <= 128 and BLOCK_N % 16 == 0, "the sum and one product fit the registers")
+    gl.static_assert(BOX_N <= 256 and BOX_N % 32 == 0, "two consumers' columns, each's sum and product in registers")
     gl.static_assert(BLOCK_K % 32 == 0, "fp8 wgmma steps of k32")
     a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
-    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BLOCK_N, BLOCK_K], wd.layout)
-    ready, empty, order = _ws_init_barriers(STAGES, 1, 1)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BOX_N, BLOCK_K], wd.layout)
+    ready, empty, order = _ws_init_barriers(STAGES, 1, 2)  # no turns: order stays unused
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
     gl.warp_specialize([
-        (_fp8_ws_down_mma, (a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
+        (_fp8_ws_down_mma, (a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
                             used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
                             NUM_PROGS, GROUP_M, 0)),
-        (_fp8_ws_down_mma_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+        (_fp8_ws_down_mma_worker, (ad, wd, a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr,
                                    block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn,
                                    stride_wsk, stride_yn, NUM_PROGS, GROUP_M)),
-        (_fp8_ws_down_load_worker, (ad, wd, a_bufs, b_bufs, ready, empty, order, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+        (_fp8_ws_down_load_worker, (ad, wd, a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr,
                                     block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn,
                                     stride_wsk, stride_yn, NUM_PROGS, GROUP_M)),
     ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
 
 
 # ------------------------------------------------------------------------------------------- gate_up
-# The fp8 gate_up in the same ping-pong schedule. A tile is 64 rows x G = 128 columns of I (one quantization
-# group: the epilogue quantizes whole groups, as moe_gemm_fp8_tma's). Its gate and up sums of 128 columns
-# each, plus a product, would not fit a consumer's registers, so the tile runs as two halves of 64 columns
-# one after the other: a half's stage holds the gate rows n0 + 64h .. and the up rows I + n0 + 64h .. of the
-# weights ([128, BK]: one m64 x 128 x k32 wgmma chain a K step, columns [0, 64) gate, [64, 128) up), and the
-# tile's 64 activation rows, gathered again for the second half (from L2). The first half's activation
-# (64 x 64 f32, 32 registers a thread) waits in registers for the second; then the group's row maxima, the
-# scales and the e4m3 codes, stored by row.
+# The fp8 gate_up in the same schedule. A tile is 64 rows x G = 128 columns of I (one quantization group: the
+# epilogue quantizes whole groups, as moe_gemm_fp8_tma's). Its gate and up sums of 128 columns each would not
+# fit one consumer's registers, so each consumer takes half of the group's columns: a stage holds the tile's 64
+# activation rows and the weight rows [gate n0 .. n0 + 64 | up n0 .. | gate n0 + 64 .. | up n0 + 64 ..]
+# ([256, BK]); consumer h reads rows [128h, 128h + 128): one m64 x 128 x k32 wgmma chain a K step, columns
+# [0, 64) gate, [64, 128) up. The group's row maxima need both halves: each consumer leaves its 64 maxima in
+# shared memory and meets the other at an mbarrier (count 2, one phase a tile; two slots by the tile's parity,
+# so a slot is rewritten only after the other consumer has read it), then both have the group's scale and
+# quantize their own 64 columns.
 
 
 @gluon.jit
 def _fp8_ws_gate_up_load(xq_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert_ptr, used, num_pairs, H,
                          I, top_k, stride_xq, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
-    """Producer (a warp group): for each live tile, each half, each K step, the two weight boxes by TMA and
-    the tile's 64 activation rows by cp.async (xq[token of each row], zeros for padding rows), handed over
+    """Producer (a warp group): for each live tile, each K step, the four 64-row weight boxes by TMA and the
+    tile's 64 activation rows by cp.async (xq[token of each row], zeros for padding rows), handed over
     GU_COPY_DEPTH stages later behind a proxy fence (moe_gemm_ws._ws_gate_up_load)."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
@@ -218,28 +225,31 @@ def _fp8_ws_gate_up_load(xq_ptr, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, b
             tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
             a_ptrs = xq_ptr + gl.expand_dims(tok * stride_xq, 1) + gl.expand_dims(offs_k, 0)
             a_mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_k < BLOCK_K, 0)
-            for h in range(2):
-                row_g = e * (2 * I) + pid_n * (2 * HALF) + h * HALF
-                for kt in range(k_tiles):
-                    s = c % STAGES
-                    mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                    bar = ready.index(s)
-                    mbarrier.expect(bar, 2 * wd.block_type.nbytes)
-                    b = b_bufs.index(s)
-                    tma.async_copy_global_to_shared(wd, [row_g, kt * BLOCK_K], bar, b.slice(0, HALF))
-                    tma.async_copy_global_to_shared(wd, [row_g + I, kt * BLOCK_K], bar, b.slice(HALF, HALF))
-                    async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
-                    _ws_rows_hand_over(ready, c, STAGES)
-                    c += 1
+            row_g = e * (2 * I) + pid_n * (2 * HALF)
+            for kt in range(k_tiles):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, 4 * wd.block_type.nbytes)
+                b = b_bufs.index(s)
+                for h in gl.static_range(2):
+                    tma.async_copy_global_to_shared(wd, [row_g + h * HALF, kt * BLOCK_K], bar,
+                                                    b.slice(2 * h * HALF, HALF))
+                    tma.async_copy_global_to_shared(wd, [row_g + I + h * HALF, kt * BLOCK_K], bar,
+                                                    b.slice((2 * h + 1) * HALF, HALF))
+                async_copy.async_copy_global_to_shared(a_bufs.index(s), a_ptrs + kt * BLOCK_K, mask=a_mask)
+                _ws_rows_hand_over(ready, c, STAGES)
+                c += 1
     _ws_rows_drain(ready, c, STAGES)
 
 
 @gluon.jit
-def _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c, k_tiles, sa_ptrs, sg_ptr, su_ptr, stride_wsk, row_ok):
-    """One half of a tile from ring position c: its f32 sums [64, 128] (gate columns, then up), per K step
-    sum + product * (sa * sw_gate | sa * sw_up) as moe_gemm_fp8_tma's fused form."""
+def _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c, k_tiles, sa_ptrs, sg_ptr, su_ptr, stride_wsk, row_ok,
+                         WHICH: gl.constexpr):
+    """Consumer WHICH's half of a tile from ring position c: its f32 sums [64, 128] (gate columns, then up), per K
+    step sum + product * (sa * sw_gate | sa * sw_up) as moe_gemm_fp8_tma's fused form."""
     STAGES: gl.constexpr = a_bufs.type.shape[0]
-    N: gl.constexpr = b_bufs.type.shape[1]
+    N: gl.constexpr = b_bufs.type.shape[1] // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, N, 32])
     is_g = gl.expand_dims(gl.arange(0, N, layout=gl.SliceLayout(0, mma_layout)) < N // 2, 0)
@@ -251,7 +261,8 @@ def _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c, k_tiles, sa_ptrs, sg_p
         cg = gl.expand_dims(sa * gl.load(sg_ptr + kt * stride_wsk), 1)
         cu = gl.expand_dims(sa * gl.load(su_ptr + kt * stride_wsk), 1)
         mbarrier.wait(ready.index(s), (c // STAGES) & 1)
-        prod = warpgroup_mma(a_bufs.index(s), b_bufs.index(s).permute((1, 0)), zero, use_acc=False, is_async=True)
+        b = b_bufs.index(s).slice(WHICH * N, N).permute((1, 0))
+        prod = warpgroup_mma(a_bufs.index(s), b, zero, use_acc=False, is_async=True)
         prod = warpgroup_mma_wait(num_outstanding=0, deps=(prod,))
         mbarrier.arrive(empty.index(s), count=1)
         acc = acc + prod * gl.where(is_g, cg, cu)
@@ -270,71 +281,75 @@ def _fp8_ws_quant_half(out, amax_s, offs_p, row_ok, offs_j, aq_ptr, stride_aq):
 
 
 @gluon.jit
-def _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
+def _fp8_ws_group_amax(amax_own, xbuf, xchg, j, WHICH: gl.constexpr):
+    """The group's row maxima [64] from this consumer's (its 64 columns) and the other's, met in shared memory:
+    this one's into slot (j parity, WHICH), an arrival on xchg (the one thread's arrival after every thread's
+    store), the wait for tile j's phase (both arrived), the other's slot read."""
+    slot = (j & 1) * 2
+    xbuf.index(slot + WHICH).store(amax_own)
+    gl.thread_barrier()
+    mbarrier.arrive(xchg.index(0), count=1)
+    mbarrier.wait(xchg.index(0), j & 1)
+    other = xbuf.index(slot + 1 - WHICH).load(amax_own.type.layout)
+    return gl.maximum(amax_own, other)
+
+
+@gluon.jit
+def _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, xbuf, xchg, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
                         block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xs, stride_wse,
                         stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT: gl.constexpr,
                         NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
-    """Consumer WHICH: the live tiles j with j % 2 == WHICH: two halves, act(g, u) each, then the group's
-    quantization (moe_gemm_quant._fp8_quant_store's numbers) stored by row."""
+    """Consumer WHICH: its half of every live tile, act(g, u), the group's scale (_fp8_ws_group_amax), its 64
+    columns quantized (moe_gemm_quant._fp8_quant_store's numbers) and stored by row; consumer 0 stores the
+    scale."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    N: gl.constexpr = b_bufs.type.shape[1]
+    N: gl.constexpr = b_bufs.type.shape[1] // 2
     HALF: gl.constexpr = N // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, N, 32])
     n_n = gl.cdiv(I, N)
     k_tiles = gl.cdiv(H, BLOCK_K)
-    i = 0
     j = 0
     for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
-            if j % 2 == WHICH:
-                if (WHICH == 1) | (i > 0):
-                    mbarrier.wait(order.index(1 - WHICH), (i + WHICH - 1) & 1)
-                offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
-                pair = gl.load(sorted_ptr + offs_p)
-                row_ok = pair < num_pairs
-                tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
-                sa_ptrs = xs_ptr + tok * stride_xs
-                e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
-                sg_ptr = ws_ptr + e * stride_wse + ((pid_n * N) // sbn) * stride_wsn
-                su_ptr = sg_ptr + g_rows * stride_wsn
-                c = j * 2 * k_tiles
-                acc = _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c, k_tiles, sa_ptrs, sg_ptr, su_ptr,
-                                           stride_wsk, row_ok)
-                g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, HALF]), [0, 2, 1]))
-                out0 = _ws_activate(g, u, limit, alpha, ACT)
-                acc = _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, c + k_tiles, k_tiles, sa_ptrs, sg_ptr,
-                                           su_ptr, stride_wsk, row_ok)
-                mbarrier.arrive(order.index(WHICH), count=1)  # every wait of this tile passed
-                i += 1
-                g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, HALF]), [0, 2, 1]))
-                out1 = _ws_activate(g, u, limit, alpha, ACT)
-                amax = gl.maximum(gl.max(gl.abs(out0), axis=1), gl.max(gl.abs(out1), axis=1))
-                scale = gl.where(amax > 0, gl.div_rn(amax, gl.full(amax.shape, _FP8_MAX, gl.float32, amax.type.layout)),
-                                 1.0)
-                offs_q = gl.convert_layout(offs_p, gl.SliceLayout(1, out0.type.layout))
-                ok_q = gl.convert_layout(row_ok, gl.SliceLayout(1, out0.type.layout))
-                offs_j = pid_n * N + gl.arange(0, HALF, layout=gl.SliceLayout(0, out0.type.layout))
-                _fp8_ws_quant_half(out0, scale, offs_q, ok_q, offs_j, aq_ptr, stride_aq)
-                _fp8_ws_quant_half(out1, scale, offs_q, ok_q, offs_j + HALF, aq_ptr, stride_aq)
+            offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
+            pair = gl.load(sorted_ptr + offs_p)
+            row_ok = pair < num_pairs
+            tok = gl.where(row_ok, pair // top_k, 0).to(gl.int64)
+            sa_ptrs = xs_ptr + tok * stride_xs
+            e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
+            sg_ptr = ws_ptr + e * stride_wse + ((pid_n * N) // sbn) * stride_wsn
+            su_ptr = sg_ptr + g_rows * stride_wsn
+            acc = _fp8_ws_gate_up_half(a_bufs, b_bufs, ready, empty, j * k_tiles, k_tiles, sa_ptrs, sg_ptr, su_ptr,
+                                       stride_wsk, row_ok, WHICH)
+            g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, HALF]), [0, 2, 1]))
+            out = _ws_activate(g, u, limit, alpha, ACT)
+            amax = _fp8_ws_group_amax(gl.max(gl.abs(out), axis=1), xbuf, xchg, j, WHICH)
+            scale = gl.where(amax > 0, gl.div_rn(amax, gl.full(amax.shape, _FP8_MAX, gl.float32, amax.type.layout)),
+                             1.0)
+            offs_q = gl.convert_layout(offs_p, gl.SliceLayout(1, out.type.layout))
+            ok_q = gl.convert_layout(row_ok, gl.SliceLayout(1, out.type.layout))
+            offs_j = pid_n * N + WHICH * HALF + gl.arange(0, HALF, layout=gl.SliceLayout(0, out.type.layout))
+            _fp8_ws_quant_half(out, scale, offs_q, ok_q, offs_j, aq_ptr, stride_aq)
+            if WHICH == 0:
                 gl.store(as_ptr + offs_q.to(gl.int64) * stride_as + pid_n, scale, mask=ok_q)
             j += 1
 
 
 @gluon.jit
-def _fp8_ws_gate_up_mma_worker(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, order,
+def _fp8_ws_gate_up_mma_worker(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, xbuf, xchg,
                                sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xq,
                                stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
                                ACT: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
-    """Consumer 1 (a worker partition: the odd live tiles)."""
-    _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, order, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
+    """Consumer 1 (a worker partition: the second half of every tile's group)."""
+    _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, xbuf, xchg, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
                         block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xs, stride_wse, stride_wsn,
                         stride_wsk, stride_aq, stride_as, limit, alpha, ACT, NUM_PROGS, GROUP_M, 1)
 
 
 @gluon.jit
-def _fp8_ws_gate_up_load_worker(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, order,
+def _fp8_ws_gate_up_load_worker(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, xbuf, xchg,
                                 sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xq,
                                 stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha,
                                 ACT: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr):
@@ -352,32 +367,36 @@ def moe_gate_up_fp8_ws_kernel(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted
     f32 weight scales, the linear layout [E, 2I, H]).
 
     xq_ptr [*, H] e4m3 token rows (unit column stride, 16-byte aligned rows), xs_ptr [*, H / BK] f32; wd: Gluon
-    TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [64, BK] (a half's gate or up rows);
+    TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [64, BK] (64 gate or up rows);
     ws_ptr [E, ceil(2I / sbn), H / BK] f32 (g_rows = ceil(I / sbn): the up rows' first scale block); aq_ptr
     aq_PI [P, I] e4m3, as_ptr as_PG [P, I / 128] f32. Grid (NUM_PROGS,), num_warps = CONSUMER_WARPS.
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
     HALF: gl.constexpr = wd.block_type.shape[0]
     BLOCK_K: gl.constexpr = wd.block_type.shape[1]
-    gl.static_assert(HALF == 64, "a half is 64 columns of gate and 64 of up: one m64 x 128 wgmma")
+    gl.static_assert(HALF == 64, "a consumer's half is 64 columns of gate and 64 of up: one m64 x 128 wgmma")
     gl.static_assert(BLOCK_K % 32 == 0 and BLOCK_K <= 256, "fp8 wgmma k32 steps; 16-byte row chunks")
     gl.static_assert(STAGES > GU_COPY_DEPTH + 1, "the ring holds the copies in flight and the wgmma's stage")
     a_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([TILE_M, BLOCK_K], wd.dtype)
     a_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, TILE_M, BLOCK_K], a_layout)
-    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, 2 * HALF, BLOCK_K], wd.layout)
-    ready, empty, order = _ws_init_barriers(STAGES, 2, 1)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, 4 * HALF, BLOCK_K], wd.layout)
+    # the consumers' row maxima: [tile parity * 2 + consumer, row]
+    xbuf = gl.allocate_shared_memory(gl.float32, [4, TILE_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    xchg = gl.allocate_shared_memory(gl.int64, [1, 1], mbarrier.MBarrierLayout())
+    mbarrier.init(xchg.index(0), count=2)
+    ready, empty, order = _ws_init_barriers(STAGES, 2, 2)  # no turns: order stays unused
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
     gl.warp_specialize([
-        (_fp8_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, order, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
+        (_fp8_ws_gate_up_mma, (a_bufs, b_bufs, ready, empty, xbuf, xchg, xs_ptr, ws_ptr, aq_ptr, as_ptr, sorted_ptr,
                                block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows, stride_xs, stride_wse,
                                stride_wsn, stride_wsk, stride_aq, stride_as, limit, alpha, ACT, NUM_PROGS, GROUP_M,
                                0)),
-        (_fp8_ws_gate_up_mma_worker, (xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, order,
-                                      sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows,
+        (_fp8_ws_gate_up_mma_worker, (xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, xbuf,
+                                      xchg, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows,
                                       stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as,
                                       limit, alpha, ACT, NUM_PROGS, GROUP_M)),
-        (_fp8_ws_gate_up_load_worker, (xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty,
-                                       order, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows,
+        (_fp8_ws_gate_up_load_worker, (xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, a_bufs, b_bufs, ready, empty, xbuf,
+                                       xchg, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, top_k, sbn, g_rows,
                                        stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as,
                                        limit, alpha, ACT, NUM_PROGS, GROUP_M)),
     ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])
