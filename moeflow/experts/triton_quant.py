@@ -90,12 +90,15 @@ _ACT_DTYPES = (torch.bfloat16, torch.float16)
 _QUANT_GROUPS_PER_PROGRAM = 8
 _QUANT_WARPS = 2
 # The fp8 down GEMM as a warp-specialised Gluon kernel (moeflow/kernels/moe_gemm_fp8_ws.py: a TMA producer
-# warp, two consumer warp groups out of phase, so one's per-K-step scaling overlaps the other's wgmmas)
-# where fp8_ws_down_tiles serves the plan (BM 64, f32 weight scales, one split, default accumulation). Off:
-# compiled offline only (2026-12-06), not yet run on a GPU.
+# warp, two consumer warp groups sharing each tile by columns, mbarriers only, so one's per-K-step scaling
+# overlaps the other's wgmmas) where fp8_ws_down_tiles serves the plan (BM 64, f32 weight scales, one split,
+# default accumulation). Off: the same bits as the Triton kernel on the H100 (2026-12-06), but slower:
+# deepseek-v3 T = 8192 10341 against 9361 us, qwen3-30b-a3b-fp8 1228 against 1158 (benchmarks/RESULTS.md,
+# fourteenth session; ncu: it reads its weights from DRAM about twice, as the bf16 Gluon kernels do).
 FP8_WS_DOWN = False
 # The fp8 gate_up the same way (moe_gemm_fp8_ws.moe_gate_up_fp8_ws_kernel: 64-row tiles of one 128-column
-# quantization group, two 64-column halves one after the other). Off: compiled offline only (2026-12-06).
+# quantization group, its columns split between the consumers). Off: the same bits; qwen3-30b-a3b-fp8 T = 8192
+# 1129 against 1158 us, but deepseek-v3 11567 against 9361 (27 GB read from DRAM against 11).
 FP8_WS_GATE_UP = False
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
 # on the H200 (benchmarks/RESULTS.md, 2026-12-03, seventh session): the GEMV

@@ -30,9 +30,11 @@ an L2 hit rate of 30%, against the Triton kernel's 5.5 ms, 11 GB, 56%).
 The gate_up (below): its rows gathered by a producer warp group (cp.async), 64-row tiles of one 128-column
 quantization group, the group's columns split between the consumers.
 
-Status: compiled offline for sm_90a (tests/test_gluon_ws.py); nothing launches them by default
-(experts.triton_quant.FP8_WS_DOWN / FP8_WS_GATE_UP, off). The GPU test:
-tests/test_experts_triton_quant.py::test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise.
+Status: the same bits as the Triton TMA kernels on the H100 (2026-12-06, the GPU test above, graph replay) and
+compiled offline for sm_90a in the CPU suite (tests/test_gluon_ws.py); nothing launches them by default
+(experts.triton_quant.FP8_WS_DOWN / FP8_WS_GATE_UP, off): slower than the Triton kernels but at qwen3's gate_up
+(benchmarks/RESULTS.md, fourteenth session). ncu, deepseek-v3 T=8192: the gate_up reads 27.3 GB from DRAM (the
+Triton kernel 10.8), the down 10.5 GB (5.7): the re-reads of the bf16 Gluon kernels, not the scaling.
 """
 
 from __future__ import annotations
