@@ -72,6 +72,7 @@ from .base import check_token_devices, check_tokens, flat_pairs, tiling_experts
 from .triton import (
     _ACT_CODES,
     _launch_tma,
+    _sm_count,
     _tma_weights_ok,
     combine_launch,
     fused_gate_up_ok,
@@ -160,10 +161,6 @@ def _gemv_weights_ok(w: ExpertWeights) -> bool:
 
 
 @lru_cache(maxsize=8)
-def _sm_count(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def quant_group(spec) -> int:
     """G: the scale group along the reduction axis (fp8_block: bk; mxfp4 32; nvfp4 16)."""
     return spec.block[1] if spec.format == "fp8_block" else {"mxfp4": 32, "nvfp4": 16}[spec.format]
@@ -386,8 +383,7 @@ class TritonQuantExperts:
               num_tokens, self.batch_invariant)
         cfg = self._cfg_cache.get(ck)
         if cfg is None:
-            sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device()) \
-                if dev.type == "cuda" else 132
+            sms = _sm_count(dev) if dev.type == "cuda" else 132
             cfg = quant_tile_config(spec.format, group, E, w.hidden_size, w.intermediate_size, top_k,
                                     max(1, num_tokens), batch_invariant=self.batch_invariant, sm_count=sms,
                                     small=dev.type == "cpu")
@@ -707,8 +703,7 @@ def _launch_fp8_gate_up_ws(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top_
     if (stages is None or not ws_device_ok(plan.aq_PI) or not w.gate_up.is_contiguous()
             or not ws_rows_ok(xq, xq.dtype)):
         return False
-    dev = plan.aq_PI.device
-    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    sms = _sm_count(plan.aq_PI.device)
     return _launch_tma("fp8_ws_gate_up", (plan.cfg.block_m, t.block_k, stages, config.activation),
                        lambda: launch_gate_up_fp8_ws(
                            xq, xs, w.gate_up, ws, plan.aq_PI, plan.as_PG, plan.sorted_P, plan.block_expert_B, plan.N,
@@ -727,8 +722,7 @@ def _launch_fp8_down_ws(plan: _Plan, w: ExpertWeights, ws: torch.Tensor, t: Gemm
     if tiles is None or not ws_device_ok(plan.aq_PI) or not w.down.is_contiguous():
         return False
     y = plan.y_SNH[0]
-    dev = plan.aq_PI.device
-    sms = _sm_count(dev.index if dev.index is not None else torch.cuda.current_device())
+    sms = _sm_count(plan.aq_PI.device)
     return _launch_tma("fp8_ws_down", (plan.cfg.block_m, tiles), lambda: launch_down_fp8_ws(
         plan.aq_PI, plan.as_PG, w.down, ws, y, plan.sorted_P, plan.block_expert_B, plan.N, plan.max_blocks, sbn,
         tiles, t.group_m, sms))
