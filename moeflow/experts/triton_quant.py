@@ -61,7 +61,6 @@ Triton nor CUDA, and `supports` says why it refuses when either is missing. Ids 
 from __future__ import annotations
 
 import math
-from functools import lru_cache
 
 import torch
 
@@ -160,7 +159,6 @@ def _gemv_weights_ok(w: ExpertWeights) -> bool:
                for t in (w.gate_up, w.down))
 
 
-@lru_cache(maxsize=8)
 def quant_group(spec) -> int:
     """G: the scale group along the reduction axis (fp8_block: bk; mxfp4 32; nvfp4 16)."""
     return spec.block[1] if spec.format == "fp8_block" else {"mxfp4": 32, "nvfp4": 16}[spec.format]

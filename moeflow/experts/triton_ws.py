@@ -25,6 +25,11 @@ plan's:
     STAGES as many ring stages as fit SMEM_BYTES, at most MAX_STAGES (a stage holds the tile's act
         rows, 128 coop / 64 ping-pong, and the weight box).
 
+The fp8 block-scaled (W8A8) GEMMs of moeflow/kernels/moe_gemm_fp8_ws.py are launched here too
+(fp8_ws_down_tiles / launch_down_fp8_ws, fp8_ws_gate_up_stages / launch_gate_up_fp8_ws) where
+`moeflow.experts.triton_quant.FP8_WS_DOWN` / `FP8_WS_GATE_UP` (off) ask for them: BM 64 plans, 64-row tiles whose
+columns the two consumers split.
+
 Importing this module imports neither Triton nor Gluon (they load at the first launch).
 """
 
