@@ -49,6 +49,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
     warpgroup_mma_wait,
 )
 
+from .moe_gemm_quant import FP8_MAX
 from .moe_gemm_ws import (
     CONSUMER_REGS,
     CONSUMER_WARPS,
@@ -68,9 +69,6 @@ from .moe_gemm_ws import (
     _ws_tile_ids,
     _ws_used_blocks,
 )
-
-# e4m3's largest finite value (moe_gemm_quant.FP8_MAX)
-_FP8_MAX = gl.constexpr(448.0)
 
 
 @gluon.jit
@@ -277,7 +275,7 @@ def _fp8_ws_quant_half(out, amax_s, offs_p, row_ok, offs_j, aq_ptr, stride_aq):
     """Store one half's e4m3 codes: out / s clamped to +-448 (IEEE division, round to nearest even)."""
     out, s = gl.broadcast(out, gl.expand_dims(amax_s, 1))
     q = gl.div_rn(out, s)
-    q = gl.minimum(gl.maximum(q, -_FP8_MAX), _FP8_MAX)
+    q = gl.minimum(gl.maximum(q, -FP8_MAX), FP8_MAX)
     ptrs = aq_ptr + gl.expand_dims(offs_p.to(gl.int64) * stride_aq, 1) + gl.expand_dims(offs_j, 0)
     gl.store(ptrs, q.to(aq_ptr.dtype.element_ty), mask=gl.expand_dims(row_ok, 1))
 
@@ -328,7 +326,7 @@ def _fp8_ws_gate_up_mma(a_bufs, b_bufs, ready, empty, xbuf, xchg, xs_ptr, ws_ptr
             g, u = gl.split(gl.permute(gl.reshape(acc, [TILE_M, 2, HALF]), [0, 2, 1]))
             out = _ws_activate(g, u, limit, alpha, ACT)
             amax = _fp8_ws_group_amax(gl.max(gl.abs(out), axis=1), xbuf, xchg, j, WHICH)
-            scale = gl.where(amax > 0, gl.div_rn(amax, gl.full(amax.shape, _FP8_MAX, gl.float32, amax.type.layout)),
+            scale = gl.where(amax > 0, gl.div_rn(amax, gl.full(amax.shape, FP8_MAX, gl.float32, amax.type.layout)),
                              1.0)
             offs_q = gl.convert_layout(offs_p, gl.SliceLayout(1, out.type.layout))
             ok_q = gl.convert_layout(row_ok, gl.SliceLayout(1, out.type.layout))
