@@ -22,6 +22,8 @@ clock drift of compute-bound steps falls on all of them alike:
     fp8_wsdn       fp8 with the down GEMM by the warp-specialised Gluon kernel (FP8_WS_DOWN;
                    moeflow/kernels/moe_gemm_fp8_ws.py; on the CPU dry run the flag changes nothing)
     fp8_wsgu       the same for the gate_up (FP8_WS_GATE_UP); fp8_ws both
+    fp8_ws_grid    fp8_ws with one CTA a tile, not one persistent CTA an SM (experts.triton_ws.WS_TILE_GRID);
+                   fp8_wsgu_grid / fp8_wsdn_grid: that GEMM alone
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
     fp8_bi32       the same every 32 products
@@ -109,6 +111,17 @@ def _ws_both():
         yield
 
 
+def _with_tile_grid(ctx):
+    """ctx with the Gluon kernels launched one CTA a tile (experts.triton_ws.WS_TILE_GRID)."""
+    grid = _setting("moeflow.experts.triton_ws", "WS_TILE_GRID", True)
+
+    @contextlib.contextmanager
+    def both():
+        with ctx(), grid():
+            yield
+    return both
+
+
 @contextlib.contextmanager
 def _flat_both():
     with _flat(), _setting("moeflow.experts.triton", "FLAT_GATE_UP", True)():
@@ -150,7 +163,10 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         rows.append(row)
     for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" against "X"
         v = r["variant"]
-        base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn", "_wsgu", "_ws")) else None
+        if v.endswith("_grid"):  # fp8_ws*_grid: the Gluon kernels one CTA a tile, against the Triton ones
+            base = "fp8"
+        else:
+            base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn", "_wsgu", "_ws")) else None
         for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
                           ("bitwise_vs_base", outs.get(base) if base else None)):
             if v in outs and twin is not None:
@@ -199,7 +215,7 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,fp8_ws_grid,"
                          "fp8_bi,"
                          "fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
@@ -233,6 +249,9 @@ def main(argv=None) -> int:
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat)
             elif v in ("fp8_wsdn", "fp8_wsgu", "fp8_ws"):
                 ctx = {"fp8_wsdn": _wsdn, "fp8_wsgu": _wsgu, "fp8_ws": _ws_both}[v]
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)
+            elif v in ("fp8_wsdn_grid", "fp8_wsgu_grid", "fp8_ws_grid"):
+                ctx = _with_tile_grid({"fp8_wsdn_grid": _wsdn, "fp8_wsgu_grid": _wsgu, "fp8_ws_grid": _ws_both}[v])
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)
             elif v == "fp8_flat":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat_both)

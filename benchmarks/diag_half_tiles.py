@@ -24,6 +24,8 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
               WS_PACE is on by default since 2026-12-06, so ws / ws_gate_up are paced too;
               ws_nopace / ws_nopace_gate_up skip the padding halves (the schedule before)
     ws_g<G>   ws with GROUP_M = G (1, 4, 16, 64): how much the grouped order's L2 reuse matters to them
+    ws_grid   ws with one CTA a tile instead of one persistent CTA an SM (triton_ws.WS_TILE_GRID; ws_grid_gate_up /
+              ws_grid_down: that GEMM alone): whether the persistent CTAs' drift costs their L2 sharing
     ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
               moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
     ws_gate_up table with the gate_up by its Gluon kernel (WS_GATE_UP); ws: both
@@ -92,7 +94,8 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["two_dot"] = table
     out["flat_down"] = table
     out["tiled_down"] = table
-    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up", "ws_nopace", "ws_nopace_gate_up"):
+    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up", "ws_nopace", "ws_nopace_gate_up",
+              "ws_grid", "ws_grid_gate_up", "ws_grid_down"):
         out[v] = table
     for g in WS_GROUPS:  # the Gluon kernels at other grouped orders (GROUP_M 64-row tiles a group)
         out[f"ws_g{g}"] = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, group_m=g),
@@ -124,25 +127,29 @@ FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS
          "ws_pace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": True},
          "ws_pace_gate_up": {"WS_GATE_UP": True, "WS_PACE": True},
          "ws_nopace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": False},
-         "ws_nopace_gate_up": {"WS_GATE_UP": True, "WS_PACE": False}}
+         "ws_nopace_gate_up": {"WS_GATE_UP": True, "WS_PACE": False},
+         "ws_grid": {"WS_DOWN": True, "WS_GATE_UP": True, "triton_ws.WS_TILE_GRID": True},
+         "ws_grid_gate_up": {"WS_GATE_UP": True, "triton_ws.WS_TILE_GRID": True},
+         "ws_grid_down": {"WS_DOWN": True, "triton_ws.WS_TILE_GRID": True}}
 
 
 class Flagged:
     """An impl run with moeflow.experts.triton.<flag> = value for each of flags (read at launch, so at
-    graph capture)."""
+    graph capture); a flag "module.NAME" is moeflow.experts.<module>.NAME."""
 
     def __init__(self, impl, flags: dict):
         self.impl, self.flags = impl, flags
 
     def forward_tokens(self, *args):
         import contextlib
+        import importlib
         from unittest import mock
-
-        import moeflow.experts.triton as TE
 
         with contextlib.ExitStack() as stack:
             for flag, value in self.flags.items():
-                stack.enter_context(mock.patch.object(TE, flag, value))
+                mod, _, name = flag.rpartition(".")
+                module = importlib.import_module(f"moeflow.experts.{mod or 'triton'}")
+                stack.enter_context(mock.patch.object(module, name, value))
             return self.impl.forward_tokens(*args)
 
 

@@ -65,6 +65,9 @@ class Case:
     # quant cases: the fp8 GEMMs by the warp-specialised Gluon kernels (experts.triton_quant.FP8_WS_DOWN and
     # FP8_WS_GATE_UP on; moe_gemm_fp8_ws.py)
     fp8_ws: bool = False
+    # experts_ws and fp8_ws cases: the Gluon kernels one CTA a tile instead of one persistent CTA an SM
+    # (experts.triton_ws.WS_TILE_GRID)
+    ws_tile_grid: bool = False
 
     @property
     def tiny_shape(self) -> str:
@@ -135,6 +138,13 @@ CASES: tuple[Case, ...] = (
     # paced (the default since 2026-12-06) at Zipf routing, where the paced Gluon gate_up lost 10% to the Triton one
     Case("ws_prefill_t8192_deepseek_v3_zipf", "experts_ws", "deepseek-v3", 8192,
          "Gluon gate_up and down (paced), T=8192, Zipf routing", tiny_T=64, dist="zipf"),
+    # the same Gluon kernels one CTA a tile (WS_TILE_GRID): whether the persistent CTAs' drift is what makes them
+    # read their weights twice as often as the Triton kernels (H100, 2026-12-06, fourteenth session)
+    Case("ws_grid_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
+         "Gluon gate_up and down (paced), one CTA a tile, T=8192", tiny_T=64, ws_tile_grid=True),
+    Case("ws_grid_prefill_t8192_deepseek_v3_zipf", "experts_ws", "deepseek-v3", 8192,
+         "Gluon gate_up and down (paced), one CTA a tile, T=8192, Zipf routing", tiny_T=64, dist="zipf",
+         ws_tile_grid=True),
     Case("experts_prefill_t8192_deepseek_v3_zipf_x1", "experts", "deepseek-v3", 8192,
          "TritonExperts() T=8192, Zipf routing, every token the same row of x", tiny_T=64, dist="zipf",
          x_one_row=True),
@@ -190,11 +200,14 @@ CASES: tuple[Case, ...] = (
     Case("quant_fp8_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3 (issue 15: 1.17x our bf16)", tiny_T=64),
     # the same two through the Gluon warp-specialised fp8 GEMMs (same bits; on the H100 2026-12-06 no faster:
-    # deepseek-v3 T=8192 13.3 ms against 9.9 with the Gluon gate_up)
+    # deepseek-v3 T=8192 11.6 ms against 9.4 with the Gluon gate_up, 27 GB read from DRAM against 11)
     Case("quant_fp8ws_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
          "TritonQuantExperts(fp8=True), Gluon fp8 gate_up and down (FP8_WS_*), T=8192", tiny_T=64, fp8_ws=True),
     Case("quant_fp8ws_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
          "TritonQuantExperts(fp8=True), Gluon fp8 gate_up and down (FP8_WS_*), T=8192", tiny_T=64, fp8_ws=True),
+    Case("quant_fp8ws_grid_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
+         "TritonQuantExperts(fp8=True), Gluon fp8 GEMMs one CTA a tile (WS_TILE_GRID), T=8192", tiny_T=64,
+         fp8_ws=True, ws_tile_grid=True),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 TINY_ROUTER_H = 256  # router hidden size under --tiny (the interpreter is slow)
@@ -256,6 +269,9 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
         TE.WS_GATE_UP = TE.WS_DOWN = True
         if case.pace is not None:
             TE.WS_PACE = case.pace
+        if case.ws_tile_grid:
+            import moeflow.experts.triton_ws as TW
+            TW.WS_TILE_GRID = True
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -326,7 +342,9 @@ def _setup_quant(case: Case, tiny: bool, dev):
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, act_dtype)
     if case.fp8_ws:  # this process profiles nothing else (one case a process)
         import moeflow.experts.triton_quant as TQ
+        import moeflow.experts.triton_ws as TW
         TQ.FP8_WS_DOWN = TQ.FP8_WS_GATE_UP = True
+        TW.WS_TILE_GRID = case.ws_tile_grid
     impl = TritonQuantExperts(allow_cpu=tiny, fp8=True)
     n_distinct = int(torch.unique(ids).numel())
     info = dict(impl=repr(impl), shape=name, fmt=spec["fmt"], T=T, E=E, K=K, H=H, I=I, dtype=str(act_dtype),

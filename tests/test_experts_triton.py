@@ -1165,9 +1165,11 @@ WS_SHAPES = [(*s, ("silu", "swiglu_clamp"), "linear", False, False) for s in TMA
 def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
     """The warp-specialised Gluon gate_up and down (experts.triton.WS_GATE_UP / WS_DOWN; moe_gemm_ws.py)
     give the Triton kernels' bits, alone and together, cooperative (paced, the default, or not: WS_PACE) and ping-pong
-    (WS_COOP): BM 128 and 64 tiles (the BM 64 plan's BK 128 gate_up runs BK 64 in Gluon: BK changes no bits), T = 1 / 300 (skewed: empty and half-empty
+    (WS_COOP), persistent or one CTA a tile (triton_ws.WS_TILE_GRID): BM 128 and 64 tiles (the BM 64 plan's BK
+    128 gate_up runs BK 64 in Gluon: BK changes no bits), T = 1 / 300 (skewed: empty and half-empty
     blocks) / 2500, each shape's activations (gpt-oss: matmul layout, interleaved, biases); they are taken
-    (launch counts); then a CUDA graph captured with both on replays with new routing."""
+    (launch counts); then a CUDA graph captured with both on (persistent, then a tile grid) replays with new
+    routing."""
     import contextlib
 
     import moeflow.experts.triton as TE
@@ -1186,7 +1188,7 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
     def flags_on(flags):
         with contextlib.ExitStack() as stack:
             for f, v in flags.items():
-                stack.enter_context(mock.patch.object(TE, f, v))
+                stack.enter_context(mock.patch.object(TW if f == "WS_TILE_GRID" else TE, f, v))
             yield
 
     for act in acts:
@@ -1198,7 +1200,8 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
                 x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
                 want = impl.forward_tokens(x, ids, wts, w, cfg).clone()
                 for flags in ({"WS_DOWN": True}, {"WS_GATE_UP": True}, both, {**both, "WS_COOP": False},
-                              {**both, "WS_PACE": False}):
+                              {**both, "WS_PACE": False}, {**both, "WS_TILE_GRID": True},
+                              {**both, "WS_COOP": False, "WS_TILE_GRID": True}):
                     with flags_on(flags), \
                             mock.patch.object(TW, "launch_down_ws", wraps=TW.launch_down_ws) as dn, \
                             mock.patch.object(TW, "launch_gate_up_ws", wraps=TW.launch_gate_up_ws) as gu:
@@ -1216,12 +1219,13 @@ def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
     x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10, skew=True)
     want1 = TE.TritonExperts(tile_config=t128, tma=True).forward_tokens(x, ids, wts, w, cfg).clone()
     want2 = TE.TritonExperts(tile_config=t128, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
-    with flags_on(both):  # BM 128: the cooperative schedule
-        g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
-    g.replay()
-    assert_bitwise_equal(out, want1, what=f"{name}: Gluon kernels replayed from a CUDA graph")
-    _replay_with(g, (x, ids, wts), (x2, ids2, wts2))
-    assert_bitwise_equal(out, want2, what=f"{name}: Gluon kernels replayed from a CUDA graph with new routing")
+    for grid in (False, True):
+        with flags_on({**both, "WS_TILE_GRID": grid}):  # BM 128: the cooperative schedule
+            g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
+        g.replay()
+        assert_bitwise_equal(out, want1, what=f"{name}: Gluon kernels (tile grid {grid}) replayed from a CUDA graph")
+        _replay_with(g, (x, ids, wts), (x2, ids2, wts2))
+        assert_bitwise_equal(out, want2, what=f"{name}: Gluon kernels (tile grid {grid}) replayed with new routing")
 
 
 @gpu

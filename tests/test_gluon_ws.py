@@ -263,3 +263,49 @@ def test_fp8_ws_gate_up_compiles_with_the_scaling_off_the_other_consumer(act):
     assert loop["FFMA"] == 64 and not any(op.startswith(("FSEL", "SEL")) for op in loop), loop
     bars = [ln for ln in lines if "BAR.SYNC" in ln]
     assert all(", 0x80" in ln for ln in bars), bars
+
+
+@needs_gluon
+@pytest.mark.parametrize("grid", [False, True])
+def test_ws_tile_grid_launches_one_cta_a_tile(grid, monkeypatch):
+    """triton_ws.WS_TILE_GRID: the Gluon launchers' grid (and NUM_PROGS, the kernels' tile stride) is every tile
+    the used blocks could have (max_blocks x row tiles a block x column tiles), else the SM count; recorded from
+    the launch (the kernels replaced by a recorder: no GPU here)."""
+    import moeflow.experts.triton_ws as TW
+    import moeflow.kernels.moe_gemm_fp8_ws as K8
+    import moeflow.kernels.moe_gemm_ws as KW
+
+    launches = []
+
+    class Recorder:
+        def __getitem__(self, grid_):
+            def launch(*args, **kw):
+                launches.append((grid_, kw["NUM_PROGS"]))
+            return launch
+
+    for mod, name in ((K8, "moe_down_fp8_ws_kernel"), (K8, "moe_gate_up_fp8_ws_kernel"), (KW, "moe_down_ws_kernel"),
+                      (KW, "moe_gate_up_ws_kernel")):
+        monkeypatch.setattr(mod, name, Recorder())
+    monkeypatch.setattr(TW, "WS_TILE_GRID", grid)
+    E, H, I, P, N, max_blocks, sms = 4, 512, 256, 640, 600, 10, 132
+    f8, bf = torch.float8_e4m3fn, torch.bfloat16
+    i32 = torch.zeros(P, dtype=torch.int32)
+    # fp8 down: tiles 64 x 2BN, BN 128 -> 512 / 256 = 2 column tiles a block
+    TW.launch_down_fp8_ws(torch.zeros(P, I, dtype=f8), torch.zeros(P, I // 128), torch.zeros(E, H, I, dtype=f8),
+                          torch.zeros(E, H // 128, I // 128), torch.zeros(N, H, dtype=bf), i32, i32, N, max_blocks,
+                          128, (128, 128, 5), 8, sms)
+    # fp8 gate_up: one 128-column group a tile -> 256 / 128 = 2
+    TW.launch_gate_up_fp8_ws(torch.zeros(N, H, dtype=f8), torch.zeros(N, H // 128), torch.zeros(E, 2 * I, H, dtype=f8),
+                             torch.zeros(E, 2 * I // 128, H // 128), torch.zeros(P, I, dtype=f8),
+                             torch.zeros(P, I // 128), i32, i32, N, 1, max_blocks, 128, 128, 5, "silu", 0.0, 1.0, 8,
+                             sms)
+    # bf16 down, ping-pong BM 128 (two 64-row tiles a block), BN 128 -> 4 column tiles
+    TW.launch_down_ws(torch.zeros(P, I, dtype=bf), torch.zeros(E, H, I, dtype=bf), None, torch.zeros(N, H, dtype=bf),
+                      i32, i32, N, max_blocks, (128, 128, 64, 4), "linear", 8, sms)
+    # bf16 gate_up, cooperative BM 128 (one tile a block), BN 64 -> 4 column tiles
+    TW.launch_gate_up_ws(torch.zeros(N, H, dtype=bf), torch.zeros(E, 2 * I, H, dtype=bf), None,
+                         torch.zeros(P, I, dtype=bf), i32, i32, N, 1, max_blocks, (128, 64, 64, 4), "linear", "silu",
+                         0.0, 1.0, 8, sms, coop=True)
+    want = [max_blocks * 2, max_blocks * 2, max_blocks * 2 * 4, max_blocks * 4] if grid else [sms] * 4
+    assert [g[0] for g, _ in launches] == want, launches
+    assert [n for _, n in launches] == want, launches

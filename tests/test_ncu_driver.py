@@ -228,8 +228,9 @@ def test_list_and_names():
             "quant_mxfp4_t64_gpt_oss",
             "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3", "quant_fp8_decode_t2_deepseek_v3",
-            "quant_fp8_prefill_t8192_qwen3", "quant_fp8ws_prefill_t8192_deepseek_v3",
-            "quant_fp8ws_prefill_t8192_qwen3"} == set(names)
+            "quant_fp8_prefill_t8192_qwen3", "quant_fp8ws_prefill_t8192_deepseek_v3", "quant_fp8ws_prefill_t8192_qwen3",
+            "quant_fp8ws_grid_prefill_t8192_deepseek_v3", "ws_grid_prefill_t8192_deepseek_v3",
+            "ws_grid_prefill_t8192_deepseek_v3_zipf"} == set(names)
     out = subprocess.run([sys.executable, str(SCRIPT), "--names"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60).stdout.split()
     assert out == names

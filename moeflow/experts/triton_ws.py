@@ -53,6 +53,20 @@ COLUMN_TILES = (256, 128, 64, 32)
 # the one the wgmmas read, plus one).
 GU_MIN_STAGES = 4
 _WS_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
+# The Gluon kernels' grid: False, one persistent CTA an SM walking the tiles p, p + SMs, ... (the grouped
+# order); True, one CTA a tile (every tile the used blocks could have, the ones past them exit at once), so the
+# hardware hands tiles out in order as CTAs finish, as for the Triton non-persistent kernels. Why the switch
+# (benchmarks/RESULTS.md, fourteenth session): every persistent Gluon kernel reads its weights from DRAM about
+# twice as often as the Triton kernel of the same tiles and order (ncu, H100: the bf16 down 18 GB against 9.8,
+# the fp8 gate_up 27 GB against 11), and pacing the cooperative gate_up (equal time a tile) halved its reads at
+# uniform routing: the guess is that statically assigned CTAs drift apart by whole rounds, so the CTAs that
+# share a weight box no longer run together. Off (persistent) until measured.
+WS_TILE_GRID = False
+
+
+def _programs(num_programs: int, max_tiles: int) -> int:
+    """The grid of a Gluon launch: max_tiles (WS_TILE_GRID) or num_programs (persistent, one CTA an SM)."""
+    return max(1, max_tiles) if WS_TILE_GRID else num_programs
 
 
 def _column_tile(want: int, n: int, cap: int, exact: bool) -> int | None:
@@ -172,9 +186,10 @@ def launch_down_ws(act_PI: torch.Tensor, W: torch.Tensor, bias_EH: torch.Tensor 
     ad = _descriptor(act_PI, [2 * TILE_M if coop else TILE_M, BK])  # the act box: a tile's rows
     wd = _descriptor(W.view(E * I, H), [BK, BN]) if matmul else _descriptor(W.view(E * H, I), [BN, BK])
     b = bias_EH if bias_EH is not None else y_NH  # any pointer when there is no bias
-    moe_down_ws_kernel[(num_programs,)](
+    progs = _programs(num_programs, max_blocks * (1 if coop else BM // TILE_M) * -(-H // BN))
+    moe_down_ws_kernel[(progs,)](
         ad, wd, y_NH, b, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, y_NH.stride(0), b.stride(0),
-        BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_EH is not None, NUM_PROGS=num_programs, GROUP_M=group_m,
+        BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_EH is not None, NUM_PROGS=progs, GROUP_M=group_m,
         STAGES=stages, PACE=pace, num_warps=CONSUMER_WARPS.value,
     )
 
@@ -201,11 +216,12 @@ def launch_gate_up_ws(x_rows: torch.Tensor, W: torch.Tensor, bias_E2I: torch.Ten
     H, I2 = (W.shape[1], W.shape[2]) if matmul else (W.shape[2], W.shape[1])
     wd = _descriptor(W.view(E * H, I2), [BK, 2 * BN]) if matmul else _descriptor(W.view(E * I2, H), [BN, BK])
     b = bias_E2I if bias_E2I is not None else act_PI  # any pointer when there is no bias
-    moe_gate_up_ws_kernel[(num_programs,)](
+    progs = _programs(num_programs, max_blocks * (1 if coop else BM // TILE_M) * -(-(I2 // 2) // BN))
+    moe_gate_up_ws_kernel[(progs,)](
         x_rows, wd, act_PI, b, sorted_P, block_expert_B, num_pairs, H, I2 // 2, top_k_div, max_blocks,
         x_rows.stride(0), act_PI.stride(0), b.stride(0), float(limit), float(alpha),
         ACT=_WS_ACTIVATIONS[activation], BLOCK_M=BM, MATMUL=matmul, HAS_BIAS=bias_E2I is not None,
-        NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages, COOP=coop, PACE=pace, num_warps=CONSUMER_WARPS.value,
+        NUM_PROGS=progs, GROUP_M=group_m, STAGES=stages, COOP=coop, PACE=pace, num_warps=CONSUMER_WARPS.value,
     )
 
 
@@ -244,9 +260,10 @@ def launch_down_fp8_ws(aq_PI: torch.Tensor, as_PG: torch.Tensor, W: torch.Tensor
     E, H, I = W.shape
     ad = _descriptor(aq_PI, [TILE_M, BK])
     wd = _descriptor(W.view(E * H, I), [2 * BN, BK])  # both consumers' columns
-    moe_down_fp8_ws_kernel[(num_programs,)](
+    progs = _programs(num_programs, max_blocks * (H // (2 * BN)))
+    moe_down_fp8_ws_kernel[(progs,)](
         ad, wd, as_PG, ws, y_NH, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, sbn, as_PG.stride(0),
-        *ws.stride(), y_NH.stride(0), NUM_PROGS=num_programs, GROUP_M=group_m, STAGES=stages,
+        *ws.stride(), y_NH.stride(0), NUM_PROGS=progs, GROUP_M=group_m, STAGES=stages,
         num_warps=CONSUMER_WARPS.value,
     )
 
@@ -282,9 +299,10 @@ def launch_gate_up_fp8_ws(xq: torch.Tensor, xs: torch.Tensor, W: torch.Tensor, w
 
     E, I2, H = W.shape
     wd = _descriptor(W.view(E * I2, H), [TILE_M, block_k])  # 64 gate (or up) rows: a stage holds four
-    moe_gate_up_fp8_ws_kernel[(num_programs,)](
+    progs = _programs(num_programs, max_blocks * -(-(I2 // 2) // 128))
+    moe_gate_up_fp8_ws_kernel[(progs,)](
         xq, xs, wd, ws, aq_PI, as_PG, sorted_P, block_expert_B, num_pairs, H, I2 // 2, top_k_div, max_blocks, sbn,
         -(-(I2 // 2) // sbn), xq.stride(0), xs.stride(0), *ws.stride(), aq_PI.stride(0), as_PG.stride(0),
-        float(limit), float(alpha), ACT=_WS_ACTIVATIONS[activation], NUM_PROGS=num_programs, GROUP_M=group_m,
+        float(limit), float(alpha), ACT=_WS_ACTIVATIONS[activation], NUM_PROGS=progs, GROUP_M=group_m,
         STAGES=stages, num_warps=CONSUMER_WARPS.value,
     )
