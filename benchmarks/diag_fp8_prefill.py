@@ -24,6 +24,7 @@ clock drift of compute-bound steps falls on all of them alike:
     fp8_wsgu       the same for the gate_up (FP8_WS_GATE_UP); fp8_ws both
     fp8_ws_grid    fp8_ws with one CTA a tile, not one persistent CTA an SM (experts.triton_ws.WS_TILE_GRID);
                    fp8_wsgu_grid / fp8_wsdn_grid: that GEMM alone
+    fp8_wsdn_dyn   fp8_wsdn with the down's tiles claimed at run time (experts.triton_ws.WS_DYNAMIC_TILES)
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
     fp8_bi32       the same every 32 products
@@ -163,7 +164,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         rows.append(row)
     for r in rows:  # "X" against "X_ptr" (the same tiles through the pointer kernels), "X_2dot" / "X_flat" against "X"
         v = r["variant"]
-        if v.endswith("_grid"):  # fp8_ws*_grid: the Gluon kernels one CTA a tile, against the Triton ones
+        if v.endswith(("_grid", "_dyn")):  # fp8_ws*_grid / _dyn: other Gluon schedules, against the Triton kernels
             base = "fp8"
         else:
             base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn", "_wsgu", "_ws")) else None
@@ -215,7 +216,7 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,fp8_ws_grid,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,fp8_ws_grid,fp8_wsdn_dyn,"
                          "fp8_bi,"
                          "fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
@@ -250,6 +251,14 @@ def main(argv=None) -> int:
             elif v in ("fp8_wsdn", "fp8_wsgu", "fp8_ws"):
                 ctx = {"fp8_wsdn": _wsdn, "fp8_wsgu": _wsgu, "fp8_ws": _ws_both}[v]
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)
+            elif v == "fp8_wsdn_dyn":
+                dyn = _setting("moeflow.experts.triton_ws", "WS_DYNAMIC_TILES", True)
+
+                @contextlib.contextmanager
+                def _dyn_down(dyn=dyn):
+                    with _wsdn(), dyn():
+                        yield
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _dyn_down)
             elif v in ("fp8_wsdn_grid", "fp8_wsgu_grid", "fp8_ws_grid"):
                 ctx = _with_tile_grid({"fp8_wsdn_grid": _wsdn, "fp8_wsgu_grid": _wsgu, "fp8_ws_grid": _ws_both}[v])
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)

@@ -68,6 +68,8 @@ class Case:
     # experts_ws and fp8_ws cases: the Gluon kernels one CTA a tile instead of one persistent CTA an SM
     # (experts.triton_ws.WS_TILE_GRID)
     ws_tile_grid: bool = False
+    # fp8_ws cases: the down's tiles claimed at run time (experts.triton_ws.WS_DYNAMIC_TILES)
+    ws_dynamic: bool = False
 
     @property
     def tiny_shape(self) -> str:
@@ -208,6 +210,9 @@ CASES: tuple[Case, ...] = (
     Case("quant_fp8ws_grid_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
          "TritonQuantExperts(fp8=True), Gluon fp8 GEMMs one CTA a tile (WS_TILE_GRID), T=8192", tiny_T=64,
          fp8_ws=True, ws_tile_grid=True),
+    Case("quant_fp8ws_dyn_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
+         "TritonQuantExperts(fp8=True), Gluon fp8 GEMMs, the down's tiles claimed at run time (WS_DYNAMIC_TILES), "
+         "T=8192", tiny_T=64, fp8_ws=True, ws_dynamic=True),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 TINY_ROUTER_H = 256  # router hidden size under --tiny (the interpreter is slow)
@@ -345,6 +350,7 @@ def _setup_quant(case: Case, tiny: bool, dev):
         import moeflow.experts.triton_ws as TW
         TQ.FP8_WS_DOWN = TQ.FP8_WS_GATE_UP = True
         TW.WS_TILE_GRID = case.ws_tile_grid
+        TW.WS_DYNAMIC_TILES = case.ws_dynamic
     impl = TritonQuantExperts(allow_cpu=tiny, fp8=True)
     n_distinct = int(torch.unique(ids).numel())
     info = dict(impl=repr(impl), shape=name, fmt=spec["fmt"], T=T, E=E, K=K, H=H, I=I, dtype=str(act_dtype),

@@ -876,8 +876,8 @@ def test_gpu_fp8_tma_equals_pointer_bitwise():
 def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
     """The warp-specialised fp8 GEMMs (FP8_WS_DOWN / FP8_WS_GATE_UP, alone and together;
     moeflow/kernels/moe_gemm_fp8_ws.py) give the Triton TMA kernels' bits at the fp8 prefill tiles (BM 64;
-    T = 300 skewed: empty and half-empty blocks; T = 2000), silu and swiglu_clamp, persistent and one CTA a tile
-    (triton_ws.WS_TILE_GRID), and under CUDA-graph replay.
+    T = 300 skewed: empty and half-empty blocks; T = 2000), silu and swiglu_clamp, persistent, one CTA a tile
+    (triton_ws.WS_TILE_GRID) and the down's tiles claimed at run time (WS_DYNAMIC_TILES), under CUDA-graph replay.
     Their launches are counted, so the comparison cannot pass by both sides running the Triton kernels.
     UE8M0 weight scales keep the Triton kernels (no launch)."""
     from unittest import mock
@@ -898,8 +898,10 @@ def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
             x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
             want = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
             for flags, grid in ((("FP8_WS_DOWN",), False), (("FP8_WS_GATE_UP",), False),
-                                (("FP8_WS_DOWN", "FP8_WS_GATE_UP"), False), (("FP8_WS_DOWN", "FP8_WS_GATE_UP"), True)):
-                monkeypatch.setattr(TW, "WS_TILE_GRID", grid)
+                                (("FP8_WS_DOWN", "FP8_WS_GATE_UP"), False), (("FP8_WS_DOWN", "FP8_WS_GATE_UP"), True),
+                                (("FP8_WS_DOWN",), "dyn")):
+                monkeypatch.setattr(TW, "WS_TILE_GRID", grid is True)
+                monkeypatch.setattr(TW, "WS_DYNAMIC_TILES", grid == "dyn")
                 for f in flags:
                     monkeypatch.setattr(TQ, f, True)
                 with mock.patch.object(TW, "launch_down_fp8_ws", wraps=TW.launch_down_fp8_ws) as dn, \
@@ -912,7 +914,7 @@ def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
                     torch.cuda.synchronize()
                 for f in flags:
                     monkeypatch.setattr(TQ, f, False)
-                what = f"{fmt} {act} T={T} {'+'.join(flags)}{' tile grid' if grid else ''}"
+                what = f"{fmt} {act} T={T} {'+'.join(flags)}{' tile grid' if grid is True else ''}{' dynamic' if grid == 'dyn' else ''}"
                 assert dn.call_count == (2 if ws_ok and "FP8_WS_DOWN" in flags else 0), (what, dn.call_count)
                 assert gu.call_count == (2 if ws_ok and "FP8_WS_GATE_UP" in flags else 0), (what, gu.call_count)
                 assert_bitwise_equal(got, want, what=f"{what}: Gluon vs Triton TMA kernels")

@@ -309,3 +309,29 @@ def test_ws_tile_grid_launches_one_cta_a_tile(grid, monkeypatch):
     want = [max_blocks * 2, max_blocks * 2, max_blocks * 2 * 4, max_blocks * 4] if grid else [sms] * 4
     assert [g[0] for g, _ in launches] == want, launches
     assert [n for _, n in launches] == want, launches
+
+
+@needs_gluon
+def test_fp8_ws_dynamic_down_compiles():
+    """moe_gemm_fp8_ws.moe_down_fp8_ws_dyn_kernel (sm_90a, offline): no spill; the producer claims tiles with one
+    global atomic (one thread's) each; the consumers' K step is the static kernel's (one ring wait, BK / 32
+    wgmmas, one release, BN / 2 FFMAs, warp-group barriers only)."""
+    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
+    from moeflow.kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_dyn_kernel
+
+    bk, bn = 128, 128
+    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [2 * bn, bk]),
+                 counter_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32",
+                 block_expert_ptr="*i32")
+    k = compile_kernel(moe_down_fp8_ws_dyn_kernel, types, dict(GROUP_M=8, STAGES=5, num_warps=4), num_warps=4,
+                       div16=("H", "I", "stride_yn", "stride_as"))
+    sass = sass_text(k)
+    assert "STL" not in sass and "LDL" not in sass
+    atoms = [ln for ln in sass.splitlines() if "ATOMG.E.ADD" in ln]
+    assert len(atoms) == 2 and all(ln.strip().split()[1].startswith("@P") for ln in atoms), atoms  # first, next
+    lines = gmma_loop(sass)
+    loop = opcode_mix(lines)
+    assert sum(f"QGMMA.64x{bn}x32.F32.E4M3.E4M3 " in ln for ln in lines) == bk // 32, loop
+    assert loop["SYNCS.PHASECHK.TRANS64.TRYWAIT"] == 1 and loop["SYNCS.ARRIVE.TRANS64.A1T0"] == 1, loop
+    assert loop["FFMA"] == bn // 2, loop
+    assert all(", 0x80" in ln for ln in lines if "BAR.SYNC" in ln)

@@ -64,6 +64,18 @@ _WS_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
 WS_TILE_GRID = False
 
 
+# The fp8 down GEMM with its tiles claimed at run time from a global counter (moe_gemm_fp8_ws.
+# moe_down_fp8_ws_dyn_kernel): persistent CTAs that stay one contiguous window of the grouped order, however
+# they drift. Off until measured; WS_TILE_GRID wins over it.
+WS_DYNAMIC_TILES = False
+
+
+@lru_cache(maxsize=8)
+def _tile_counter(index: int) -> torch.Tensor:
+    """The int32 [1] tile counter of CUDA device index (zeroed before each launch that uses it)."""
+    return torch.zeros(1, dtype=torch.int32, device=f"cuda:{index}")
+
+
 def _programs(num_programs: int, max_tiles: int) -> int:
     """The grid of a Gluon launch: max_tiles (WS_TILE_GRID) or num_programs (persistent, one CTA an SM)."""
     return max(1, max_tiles) if WS_TILE_GRID else num_programs
@@ -260,6 +272,18 @@ def launch_down_fp8_ws(aq_PI: torch.Tensor, as_PG: torch.Tensor, W: torch.Tensor
     E, H, I = W.shape
     ad = _descriptor(aq_PI, [TILE_M, BK])
     wd = _descriptor(W.view(E * H, I), [2 * BN, BK])  # both consumers' columns
+    if WS_DYNAMIC_TILES and not WS_TILE_GRID:
+        from ..kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_dyn_kernel
+
+        dev = y_NH.device
+        counter = _tile_counter(dev.index if dev.index is not None else torch.cuda.current_device())
+        counter.zero_()  # a memset on the stream (captured into a CUDA graph as one)
+        moe_down_fp8_ws_dyn_kernel[(num_programs,)](
+            ad, wd, counter, as_PG, ws, y_NH, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, sbn,
+            as_PG.stride(0), *ws.stride(), y_NH.stride(0), GROUP_M=group_m, STAGES=stages,
+            num_warps=CONSUMER_WARPS.value,
+        )
+        return
     progs = _programs(num_programs, max_blocks * (H // (2 * BN)))
     moe_down_fp8_ws_kernel[(progs,)](
         ad, wd, as_PG, ws, y_NH, sorted_P, block_expert_B, num_pairs, H, I, max_blocks, sbn, as_PG.stride(0),

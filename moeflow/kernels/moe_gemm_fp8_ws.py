@@ -400,3 +400,159 @@ def moe_gate_up_fp8_ws_kernel(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted
                                        stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq, stride_as,
                                        limit, alpha, ACT, NUM_PROGS, GROUP_M)),
     ], [CONSUMER_WARPS, GU_PRODUCER_WARPS], [GU_CONSUMER_REGS, GU_PRODUCER_REGS])
+
+
+# ------------------------------------------------------------------------------ down, dynamic tiles
+# The same down GEMM with its tiles handed out at run time: the producer claims the next tile of the grouped
+# order from a global counter (one atomic a tile, the counter zeroed by the host before the launch) and passes
+# each live tile's id to both consumers through a small shared-memory ring (TID_SLOTS slots, an mbarrier pair a
+# slot); -1 ends them. Why (benchmarks/RESULTS.md, fourteenth session): with tiles assigned statically (CTA p
+# takes p, p + NUM_PROGS, ...), CTAs that fall behind by whole rounds no longer share their weight boxes in L2
+# with the CTAs of their round; claimed in order, the tiles in flight stay one contiguous window of the order,
+# as with a grid of one CTA a tile, while each CTA keeps its ring full across tiles.
+TID_SLOTS = gl.constexpr(4)
+
+
+# a tile id as a [1] tensor in the producer's (one warp) and in a consumer's (one warp group) registers
+_TID_PRODUCER = gl.constexpr(gl.BlockedLayout([1], [32], [PRODUCER_WARPS], [0]))
+_TID_CONSUMER = gl.constexpr(gl.BlockedLayout([1], [32], [CONSUMER_WARPS], [0]))
+
+
+@gluon.jit
+def _ws_tid_put(tids, tid_ready, tid_empty, j, tile):
+    """Producer: the j-th live tile's id (or -1: no more) into slot j % TID_SLOTS, once both consumers freed it."""
+    slot = j % TID_SLOTS
+    mbarrier.wait(tid_empty.index(slot), ((j // TID_SLOTS) & 1) ^ 1)
+    tids.index(slot).store(gl.full([1], tile, gl.int32, _TID_PRODUCER))
+    gl.thread_barrier()  # every thread's store before the one arrival
+    mbarrier.arrive(tid_ready.index(slot), count=1)
+
+
+@gluon.jit
+def _ws_tid_get(tids, tid_ready, tid_empty, j):
+    """Consumer: the j-th live tile's id (-1: no more); the slot freed at once (the id is in registers)."""
+    slot = j % TID_SLOTS
+    mbarrier.wait(tid_ready.index(slot), (j // TID_SLOTS) & 1)
+    tile = gl.max(tids.index(slot).load(_TID_CONSUMER), axis=0)
+    mbarrier.arrive(tid_empty.index(slot), count=1)
+    return tile
+
+
+@gluon.jit
+def _fp8_ws_dyn_down_load(ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr, sorted_ptr,
+                          block_expert_ptr, used, num_pairs, H, I, GROUP_M: gl.constexpr):
+    """Producer: claim tiles in order until none is left; for each live one, its id to the consumers, then its
+    K steps' TMA copies into the ring (moe_gemm_ws._ws_down_load's)."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
+    BOX_N: gl.constexpr = wd.block_type.shape[0]
+    n_n = gl.cdiv(H, BOX_N)
+    k_tiles = gl.cdiv(I, BLOCK_K)
+    total = used * n_n
+    c = 0
+    j = 0
+    tile = gl.atomic_add(counter_ptr, 1)
+    while tile < total:
+        pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
+        if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
+            _ws_tid_put(tids, tid_ready, tid_empty, j, tile)
+            e = gl.load(block_expert_ptr + pid_r)
+            for kt in range(k_tiles):
+                s = c % STAGES
+                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+                bar = ready.index(s)
+                mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
+                tma.async_copy_global_to_shared(ad, [pid_r * TILE_M, kt * BLOCK_K], bar, a_bufs.index(s))
+                tma.async_copy_global_to_shared(wd, [e * H + pid_n * BOX_N, kt * BLOCK_K], bar, b_bufs.index(s))
+                c += 1
+            j += 1
+        tile = gl.atomic_add(counter_ptr, 1)
+    _ws_tid_put(tids, tid_ready, tid_empty, j, -1)
+
+
+@gluon.jit
+def _fp8_ws_dyn_down_mma(a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+                         block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk,
+                         stride_yn, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
+    """Consumer WHICH: the producer's live tiles in its order (_ws_tid_get), columns [WHICH * BN, WHICH * BN + BN)
+    of each, as _fp8_ws_down_mma."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
+    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
+                                                         instr_shape=[16, BLOCK_N, 32])
+    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
+    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
+    n_n = gl.cdiv(H, 2 * BLOCK_N)
+    k_tiles = gl.cdiv(I, BLOCK_K)
+    j = 0
+    tile = _ws_tid_get(tids, tid_ready, tid_empty, j)
+    while tile >= 0:
+        pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
+        offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
+        pair = gl.load(sorted_ptr + offs_p)
+        row_ok = pair < num_pairs
+        e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
+        col0 = pid_n * (2 * BLOCK_N) + WHICH * BLOCK_N
+        sa_ptrs = as_ptr + offs_p.to(gl.int64) * stride_as
+        sw_ptr = ws_ptr + e * stride_wse + (col0 // sbn) * stride_wsn
+        acc = _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok, WHICH)
+        offs_h = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
+        y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
+        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
+        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        j += 1
+        tile = _ws_tid_get(tids, tid_ready, tid_empty, j)
+
+
+@gluon.jit
+def _fp8_ws_dyn_down_mma_worker(ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr, as_ptr,
+                                ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, sbn, stride_as,
+                                stride_wse, stride_wsn, stride_wsk, stride_yn, GROUP_M: gl.constexpr):
+    """Consumer 1 (a worker partition)."""
+    _fp8_ws_dyn_down_mma(a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+                         block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk,
+                         stride_yn, GROUP_M, 1)
+
+
+@gluon.jit
+def _fp8_ws_dyn_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr, as_ptr,
+                                 ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, sbn, stride_as,
+                                 stride_wse, stride_wsn, stride_wsk, stride_yn, GROUP_M: gl.constexpr):
+    """The producer (a worker partition)."""
+    _fp8_ws_dyn_down_load(ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr, sorted_ptr,
+                          block_expert_ptr, used, num_pairs, H, I, GROUP_M)
+
+
+@gluon.jit
+def moe_down_fp8_ws_dyn_kernel(ad, wd, counter_ptr, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H,
+                               I, num_m, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
+                               GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    """moe_down_fp8_ws_kernel with tiles claimed at run time (counter_ptr: int32 [1], zero at launch); the same
+    arguments otherwise, and the same bits. Grid: one CTA an SM (any number works)."""
+    gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
+    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles")
+    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
+    BOX_N: gl.constexpr = wd.block_type.shape[0]
+    gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
+    gl.static_assert(BOX_N <= 256 and BOX_N % 32 == 0, "two consumers' columns, each's sum and product in registers")
+    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BOX_N, BLOCK_K], wd.layout)
+    tids = gl.allocate_shared_memory(gl.int32, [TID_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+    tid_ready = gl.allocate_shared_memory(gl.int64, [TID_SLOTS, 1], mbarrier.MBarrierLayout())
+    tid_empty = gl.allocate_shared_memory(gl.int64, [TID_SLOTS, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(TID_SLOTS):
+        mbarrier.init(tid_ready.index(i), count=1)
+        mbarrier.init(tid_empty.index(i), count=2)
+    ready, empty, order = _ws_init_barriers(STAGES, 1, 2)  # no turns: order stays unused
+    used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
+    gl.warp_specialize([
+        (_fp8_ws_dyn_down_mma, (a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, as_ptr, ws_ptr, y_ptr,
+                                sorted_ptr, block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse,
+                                stride_wsn, stride_wsk, stride_yn, GROUP_M, 0)),
+        (_fp8_ws_dyn_down_mma_worker, (ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr,
+                                       as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, sbn,
+                                       stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, GROUP_M)),
+        (_fp8_ws_dyn_down_load_worker, (ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr,
+                                        as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used, num_pairs, H, I, sbn,
+                                        stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, GROUP_M)),
+    ], [CONSUMER_WARPS, PRODUCER_WARPS], [CONSUMER_REGS, PRODUCER_REGS])
