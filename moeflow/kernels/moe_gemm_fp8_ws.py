@@ -99,36 +99,43 @@ def _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr,
 
 
 @gluon.jit
-def _fp8_ws_down_mma(a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used,
-                     num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
-                     NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
-    """Consumer WHICH (0 or 1): columns [WHICH * BN, WHICH * BN + BN) of every live 64 x 2BN tile: its wgmmas,
-    scaling and rows stored by pair."""
-    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+def _fp8_ws_down_one(a_bufs, b_bufs, ready, empty, j, k_tiles, pid_r, pid_n, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+                     block_expert_ptr, num_pairs, H, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
+                     WHICH: gl.constexpr):
+    """Consumer WHICH's columns of the CTA's j-th live tile (row block pid_r, column tile pid_n of 2BN): its
+    wgmmas and scaling (_fp8_ws_down_tile), then its rows stored by pair."""
     BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
     mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
                                                          instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    n_n = gl.cdiv(H, 2 * BLOCK_N)
+    offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=gl.SliceLayout(1, mma_layout))
+    pair = gl.load(sorted_ptr + offs_p)
+    row_ok = pair < num_pairs
+    e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
+    col0 = pid_n * (2 * BLOCK_N) + WHICH * BLOCK_N
+    sa_ptrs = as_ptr + offs_p.to(gl.int64) * stride_as
+    sw_ptr = ws_ptr + e * stride_wse + (col0 // sbn) * stride_wsn
+    acc = _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok, WHICH)
+    offs_h = col0 + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_layout))
+    y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
+    mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
+    gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
+def _fp8_ws_down_mma(a_bufs, b_bufs, ready, empty, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, used,
+                     num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
+                     NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
+    """Consumer WHICH (0 or 1): columns [WHICH * BN, WHICH * BN + BN) of every live 64 x 2BN tile of this CTA."""
+    BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
+    n_n = gl.cdiv(H, b_bufs.type.shape[1])
     k_tiles = gl.cdiv(I, BLOCK_K)
     j = 0  # the CTA's live tiles so far: the producer's order
     for tile in range(gl.program_id(0), used * n_n, NUM_PROGS):
         pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
-            offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
-            pair = gl.load(sorted_ptr + offs_p)
-            row_ok = pair < num_pairs
-            e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
-            col0 = pid_n * (2 * BLOCK_N) + WHICH * BLOCK_N
-            sa_ptrs = as_ptr + offs_p.to(gl.int64) * stride_as
-            sw_ptr = ws_ptr + e * stride_wse + (col0 // sbn) * stride_wsn
-            acc = _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok,
-                                    WHICH)
-            offs_h = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
-            y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
-            mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
-            gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+            _fp8_ws_down_one(a_bufs, b_bufs, ready, empty, j, k_tiles, pid_r, pid_n, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+                             block_expert_ptr, num_pairs, H, sbn, stride_as, stride_wse, stride_wsn, stride_wsk,
+                             stride_yn, WHICH)
             j += 1
 
 
@@ -475,31 +482,17 @@ def _fp8_ws_dyn_down_mma(a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empt
                          block_expert_ptr, used, num_pairs, H, I, sbn, stride_as, stride_wse, stride_wsn, stride_wsk,
                          stride_yn, GROUP_M: gl.constexpr, WHICH: gl.constexpr):
     """Consumer WHICH: the producer's live tiles in its order (_ws_tid_get), columns [WHICH * BN, WHICH * BN + BN)
-    of each, as _fp8_ws_down_mma."""
+    of each (_fp8_ws_down_one)."""
     BLOCK_K: gl.constexpr = a_bufs.type.shape[2]
-    BLOCK_N: gl.constexpr = b_bufs.type.shape[1] // 2
-    mma_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[CONSUMER_WARPS, 1],
-                                                         instr_shape=[16, BLOCK_N, 32])
-    row_layout: gl.constexpr = gl.SliceLayout(1, mma_layout)
-    col_layout: gl.constexpr = gl.SliceLayout(0, mma_layout)
-    n_n = gl.cdiv(H, 2 * BLOCK_N)
+    n_n = gl.cdiv(H, b_bufs.type.shape[1])
     k_tiles = gl.cdiv(I, BLOCK_K)
     j = 0
     tile = _ws_tid_get(tids, tid_ready, tid_empty, j)
     while tile >= 0:
         pid_r, pid_n = _ws_tile_ids(tile, used, n_n, GROUP_M)
-        offs_p = pid_r * TILE_M + gl.arange(0, TILE_M, layout=row_layout)
-        pair = gl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
-        e = gl.load(block_expert_ptr + pid_r).to(gl.int64)
-        col0 = pid_n * (2 * BLOCK_N) + WHICH * BLOCK_N
-        sa_ptrs = as_ptr + offs_p.to(gl.int64) * stride_as
-        sw_ptr = ws_ptr + e * stride_wse + (col0 // sbn) * stride_wsn
-        acc = _fp8_ws_down_tile(a_bufs, b_bufs, ready, empty, j, k_tiles, sa_ptrs, sw_ptr, stride_wsk, row_ok, WHICH)
-        offs_h = col0 + gl.arange(0, BLOCK_N, layout=col_layout)
-        y_ptrs = y_ptr + gl.expand_dims(pair.to(gl.int64) * stride_yn, 1) + gl.expand_dims(offs_h, 0)
-        mask = gl.expand_dims(row_ok, 1) & gl.expand_dims(offs_h < H, 0)
-        gl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+        _fp8_ws_down_one(a_bufs, b_bufs, ready, empty, j, k_tiles, pid_r, pid_n, as_ptr, ws_ptr, y_ptr, sorted_ptr,
+                         block_expert_ptr, num_pairs, H, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
+                         WHICH)
         j += 1
         tile = _ws_tid_get(tids, tid_ready, tid_empty, j)
 
