@@ -5,7 +5,9 @@ Legend: T tokens, K slots, E experts, H hidden, I intermediate per expert; fp8 =
 
 Shapes (shared/spec/benchmarks.md sizes):
     deepseek-v3    E=256 H=7168 I=2048 K=8   fp8     silu
-    qwen3-30b-a3b-fp8  E=128 H=2048 I=768 K=8  fp8   silu (not in the default --shapes)
+    qwen3-30b-a3b-fp8  E=128 H=2048 I=768 K=8  fp8   silu (this and the next two: not in the default --shapes)
+    qwen3-235b-a22b-fp8  E=128 H=4096 I=1536 K=8  fp8  silu
+    glm-4.5-fp8    E=160 H=5120 I=1536 K=8   fp8     silu
     gpt-oss-120b   E=128 H=2880 I=2880 K=4   mxfp4   gptoss, layout "matmul", bf16 biases
 Weights: random bf16 scaled like a trained layer, quantized per expert with moeflow.quant's
 quantizers, stored contiguous [E, out, in] as checkpoints hold them. Routing: uniform, fixed seed.
@@ -74,6 +76,11 @@ SHAPES = {
     # Qwen3-30B-A3B-FP8 (128 x 128 blocks): small experts, the other FP8 prefill shape of issue 16's set
     "qwen3-30b-a3b-fp8": dict(H=2048, I=768, E=128, K=8, fmt="fp8", activation="silu", layout="linear",
                               interleaved=False, bias=False, limit=None),
+    # Qwen3-235B-A22B-FP8 and GLM-4.5-FP8: the FP8 shapes between those two in H (FP8_WS_GATE_UP's rule)
+    "qwen3-235b-a22b-fp8": dict(H=4096, I=1536, E=128, K=8, fmt="fp8", activation="silu", layout="linear",
+                                interleaved=False, bias=False, limit=None),
+    "glm-4.5-fp8": dict(H=5120, I=1536, E=160, K=8, fmt="fp8", activation="silu", layout="linear",
+                        interleaved=False, bias=False, limit=None),
     "gpt-oss-120b": dict(H=2880, I=2880, E=128, K=4, fmt="mxfp4", activation="gptoss", layout="matmul",
                          interleaved=True, bias=True, limit=7.0),
     # --dry-run (CPU, Triton interpreter)

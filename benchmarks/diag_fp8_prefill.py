@@ -19,11 +19,13 @@ clock drift of compute-bound steps falls on all of them alike:
                    (experts.triton.FLAT_DOWN = True; moe_gemm_fp8_tma._fp8_down_flat)
     fp8_flat       fp8 with both GEMMs flattened (FLAT_GATE_UP too: _fp8_gate_up_flat)
     bf16_flat      bf16 with the same (moe_gemm_tma._down_flat)
+    fp8_tri        fp8 with the Triton kernels only (FP8_WS_GATE_UP = False: its rule off)
     fp8_wsdn       fp8 with the down GEMM by the warp-specialised Gluon kernel (FP8_WS_DOWN;
-                   moeflow/kernels/moe_gemm_fp8_ws.py; on the CPU dry run the flag changes nothing)
-    fp8_wsgu       the same for the gate_up (FP8_WS_GATE_UP); fp8_ws both
-    fp8_ws_grid    fp8_ws with one CTA a tile, not one persistent CTA an SM (experts.triton_ws.WS_TILE_GRID);
-                   fp8_wsgu_grid / fp8_wsdn_grid: that GEMM alone
+                   moeflow/kernels/moe_gemm_fp8_ws.py; on the CPU dry run the flag changes nothing),
+                   one persistent CTA an SM (experts.triton_ws.WS_TILE_GRID = False)
+    fp8_wsgu       the same for the gate_up (FP8_WS_GATE_UP = True); fp8_ws both
+    fp8_ws_grid    fp8_ws with one CTA a tile, not one persistent CTA an SM (experts.triton_ws.WS_TILE_GRID,
+                   the default); fp8_wsgu_grid / fp8_wsdn_grid: that GEMM alone
     fp8_wsdn_dyn   fp8_wsdn with the down's tiles claimed at run time (experts.triton_ws.WS_DYNAMIC_TILES)
     fp8_bi         TritonQuantExperts(batch_invariant=True, fp8=True): its fp8 dots restart the wgmma
                    accumulation every FP8_BI_IMPRECISE_ACC products (64)
@@ -32,7 +34,7 @@ clock drift of compute-bound steps falls on all of them alike:
     t:<name>       forced tiles (TMA where allowed): see _TILES
 Every fp8 variant is checked against the W8A8 reference (rel-L2, max-abs) before it is timed; fp8 and
 each "X" is compared bit for bit with "X_ptr" (the same tiles through the pointer kernels), and each
-"X_2dot" / "X_flat" / "X_flatdn" / "X_ws*" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
+"X_2dot" / "X_flat" / "X_flatdn" / "X_ws*" / "X_tri" with "X" (the fused and the two-dot gate_up, the flat and the tiled down give the
 same bits: bitwise_vs_base).
 
     PYTHONPATH=. python benchmarks/diag_fp8_prefill.py --shapes deepseek-v3 --tokens 2048,8192 --json out.json
@@ -104,6 +106,7 @@ _two_dot = _setting("moeflow.experts.triton", "FUSED_GATE_UP", False)
 _flat = _setting("moeflow.experts.triton", "FLAT_DOWN", True)
 _wsdn = _setting("moeflow.experts.triton_quant", "FP8_WS_DOWN", True)
 _wsgu = _setting("moeflow.experts.triton_quant", "FP8_WS_GATE_UP", True)
+_triton_only = _setting("moeflow.experts.triton_quant", "FP8_WS_GATE_UP", False)
 
 
 @contextlib.contextmanager
@@ -112,13 +115,14 @@ def _ws_both():
         yield
 
 
-def _with_tile_grid(ctx):
-    """ctx with the Gluon kernels launched one CTA a tile (experts.triton_ws.WS_TILE_GRID)."""
-    grid = _setting("moeflow.experts.triton_ws", "WS_TILE_GRID", True)
+def _with(ctx, grid: bool):
+    """ctx with the Gluon kernels launched one CTA a tile (grid) or one persistent CTA an SM
+    (experts.triton_ws.WS_TILE_GRID)."""
+    flag = _setting("moeflow.experts.triton_ws", "WS_TILE_GRID", grid)
 
     @contextlib.contextmanager
     def both():
-        with ctx(), grid():
+        with ctx(), flag():
             yield
     return both
 
@@ -167,7 +171,7 @@ def run_point(name, spec, T, cfg, wq, plain, impls, dev, args) -> list[dict]:
         if v.endswith(("_grid", "_dyn")):  # fp8_ws*_grid / _dyn: other Gluon schedules, against the Triton kernels
             base = "fp8"
         else:
-            base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn", "_wsgu", "_ws")) else None
+            base = v.rsplit("_", 1)[0] if v.endswith(("_2dot", "_flat", "_flatdn", "_wsdn", "_wsgu", "_ws", "_tri")) else None
         for key, twin in (("bitwise_vs_ptr", outs.get(v + "_ptr")),
                           ("bitwise_vs_base", outs.get(base) if base else None)):
             if v in outs and twin is not None:
@@ -216,7 +220,7 @@ def main(argv=None) -> int:
         patch_interpreter_fp8()
         patch_interpreter_index()
         args.shapes, args.tokens = "tiny-fp8", "40"
-        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,fp8_ws_grid,fp8_wsdn_dyn,"
+        args.variants = ("bf16,bf16_2dot,bf16_flat,fp8_percol,fp8_ptr,fp8,fp8_2dot,fp8_flatdn,fp8_flat,fp8_wsdn,fp8_wsgu,fp8_ws,fp8_ws_grid,fp8_wsdn_dyn,fp8_tri,"
                          "fp8_bi,"
                          "fp8_bi32,fp8_bi_acc,"
                          + ",".join(f"t:{k}" for k in _TILES_DRY))
@@ -248,8 +252,11 @@ def main(argv=None) -> int:
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _two_dot)
             elif v == "fp8_flatdn":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat)
-            elif v in ("fp8_wsdn", "fp8_wsgu", "fp8_ws"):
-                ctx = {"fp8_wsdn": _wsdn, "fp8_wsgu": _wsgu, "fp8_ws": _ws_both}[v]
+            elif v == "fp8_tri":
+                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _triton_only)
+            elif v in ("fp8_wsdn", "fp8_wsgu", "fp8_ws", "fp8_wsdn_grid", "fp8_wsgu_grid", "fp8_ws_grid"):
+                ctx = {"fp8_wsdn": _wsdn, "fp8_wsgu": _wsgu, "fp8_ws": _ws_both}[v.removesuffix("_grid")]
+                ctx = _with(ctx, grid=v.endswith("_grid"))
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)
             elif v == "fp8_wsdn_dyn":
                 dyn = _setting("moeflow.experts.triton_ws", "WS_DYNAMIC_TILES", True)
@@ -259,9 +266,6 @@ def main(argv=None) -> int:
                     with _wsdn(), dyn():
                         yield
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _dyn_down)
-            elif v in ("fp8_wsdn_grid", "fp8_wsgu_grid", "fp8_ws_grid"):
-                ctx = _with_tile_grid({"fp8_wsdn_grid": _wsdn, "fp8_wsgu_grid": _wsgu, "fp8_ws_grid": _ws_both}[v])
-                impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, ctx)
             elif v == "fp8_flat":
                 impls[v] = (TritonQuantExperts(tma=True if dry else None, **kw), wq, _flat_both)
             elif v == "bf16_flat":

@@ -131,6 +131,9 @@ FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS
          "ws_grid": {"WS_DOWN": True, "WS_GATE_UP": True, "triton_ws.WS_TILE_GRID": True},
          "ws_grid_gate_up": {"WS_GATE_UP": True, "triton_ws.WS_TILE_GRID": True},
          "ws_grid_down": {"WS_DOWN": True, "triton_ws.WS_TILE_GRID": True}}
+for _flags in FLAGS.values():  # ws variants not named _grid: one persistent CTA an SM (the tile grid is the default)
+    if "WS_DOWN" in _flags or "WS_GATE_UP" in _flags:
+        _flags.setdefault("triton_ws.WS_TILE_GRID", False)
 
 
 class Flagged:

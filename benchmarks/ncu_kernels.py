@@ -274,9 +274,8 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
         TE.WS_GATE_UP = TE.WS_DOWN = True
         if case.pace is not None:
             TE.WS_PACE = case.pace
-        if case.ws_tile_grid:
-            import moeflow.experts.triton_ws as TW
-            TW.WS_TILE_GRID = True
+        import moeflow.experts.triton_ws as TW
+        TW.WS_TILE_GRID = case.ws_tile_grid  # the case says which grid (the default changed: fifteenth session)
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
     dtype = torch.float32 if tiny else torch.bfloat16

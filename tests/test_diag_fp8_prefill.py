@@ -21,10 +21,10 @@ def test_dry_run():
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     out = proc.stdout
-    assert "20 ok, 0 not" in out, out
+    assert "21 ok, 0 not" in out, out
     # the TMA kernels (t:bm64, BM 64) equal the pointer kernels at the same tiles
     assert out.count("bitwise_vs_ptr=True") == 2 and "bitwise_vs_ptr=False" not in out, out
     # the fused gate_up (one [BM, 2BN] dot) equals the two-dot form, bf16 and fp8
     # and the flat down equals the tiled down, bf16 and fp8 (and the fp8 Gluon variants equal fp8: on the CPU the
     # flags change nothing)
-    assert out.count("bitwise_vs_base=True") == 10 and "bitwise_vs_base=False" not in out, out
+    assert out.count("bitwise_vs_base=True") == 11 and "bitwise_vs_base=False" not in out, out

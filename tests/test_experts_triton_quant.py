@@ -877,8 +877,8 @@ def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
     """The warp-specialised fp8 GEMMs (FP8_WS_DOWN / FP8_WS_GATE_UP, alone and together;
     moeflow/kernels/moe_gemm_fp8_ws.py) give the Triton TMA kernels' bits at the fp8 prefill tiles (BM 64;
     T = 300 skewed: empty and half-empty blocks; T = 2000), silu and swiglu_clamp, persistent, one CTA a tile
-    (triton_ws.WS_TILE_GRID) and the down's tiles claimed at run time (WS_DYNAMIC_TILES), under CUDA-graph replay.
-    Their launches are counted, so the comparison cannot pass by both sides running the Triton kernels.
+    (triton_ws.WS_TILE_GRID) and the down's tiles claimed at run time (WS_DYNAMIC_TILES), under CUDA-graph replay;
+    FP8_WS_GATE_UP's default rule (on from FP8_WS_GATE_UP_MIN_H) picks the Gluon gate_up. Their launches are counted, so the comparison cannot pass by both sides running the Triton kernels.
     UE8M0 weight scales keep the Triton kernels (no launch)."""
     from unittest import mock
 
@@ -894,16 +894,20 @@ def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
                                         ("fp8_ue8m0", 9, 256, 384, 3, "swiglu_clamp", False)):
         cfg, wq = make_quant_case(fmt, E, H, I, K, act, "linear", False, False, device="cuda")
         impl = TQ.TritonQuantExperts(fp8=True, tile_config=tiles, tma=True)
+        monkeypatch.setattr(TQ, "FP8_WS_GATE_UP", False)  # `want`: the Triton kernels, whatever the rule says
         for T in (300, 2000):
             x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
             want = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
             for flags, grid in ((("FP8_WS_DOWN",), False), (("FP8_WS_GATE_UP",), False),
                                 (("FP8_WS_DOWN", "FP8_WS_GATE_UP"), False), (("FP8_WS_DOWN", "FP8_WS_GATE_UP"), True),
-                                (("FP8_WS_DOWN",), "dyn")):
-                monkeypatch.setattr(TW, "WS_TILE_GRID", grid is True)
+                                (("FP8_WS_DOWN",), "dyn"), ((), "rule")):
+                monkeypatch.setattr(TW, "WS_TILE_GRID", grid in (True, "rule"))
                 monkeypatch.setattr(TW, "WS_DYNAMIC_TILES", grid == "dyn")
                 for f in flags:
                     monkeypatch.setattr(TQ, f, True)
+                if grid == "rule":  # the defaults: FP8_WS_GATE_UP None, on from FP8_WS_GATE_UP_MIN_H (lowered to H)
+                    monkeypatch.setattr(TQ, "FP8_WS_GATE_UP", None)
+                    monkeypatch.setattr(TQ, "FP8_WS_GATE_UP_MIN_H", H)
                 with mock.patch.object(TW, "launch_down_fp8_ws", wraps=TW.launch_down_fp8_ws) as dn, \
                         mock.patch.object(TW, "launch_gate_up_fp8_ws", wraps=TW.launch_gate_up_fp8_ws) as gu:
                     got = impl.forward_tokens(x, ids, wts, wq, cfg).clone()
@@ -912,11 +916,13 @@ def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise(monkeypatch):
                         out = impl.forward_tokens(x, ids, wts, wq, cfg)
                     g.replay()
                     torch.cuda.synchronize()
-                for f in flags:
+                for f in flags + ("FP8_WS_GATE_UP",):
                     monkeypatch.setattr(TQ, f, False)
-                what = f"{fmt} {act} T={T} {'+'.join(flags)}{' tile grid' if grid is True else ''}{' dynamic' if grid == 'dyn' else ''}"
+                what = (f"{fmt} {act} T={T} {'+'.join(flags)}{' tile grid' if grid is True else ''}"
+                        f"{' dynamic' if grid == 'dyn' else ''}{' FP8_WS_GATE_UP by rule' if grid == 'rule' else ''}")
                 assert dn.call_count == (2 if ws_ok and "FP8_WS_DOWN" in flags else 0), (what, dn.call_count)
-                assert gu.call_count == (2 if ws_ok and "FP8_WS_GATE_UP" in flags else 0), (what, gu.call_count)
+                gate_up_ws = "FP8_WS_GATE_UP" in flags or grid == "rule"
+                assert gu.call_count == (2 if ws_ok and gate_up_ws else 0), (what, gu.call_count)
                 assert_bitwise_equal(got, want, what=f"{what}: Gluon vs Triton TMA kernels")
                 assert_bitwise_equal(out, want, what=f"{what}: Gluon kernels, graph replay")
 

@@ -97,9 +97,13 @@ _QUANT_WARPS = 2
 # fourteenth session; ncu: it reads its weights from DRAM about twice, as the bf16 Gluon kernels do).
 FP8_WS_DOWN = False
 # The fp8 gate_up the same way (moe_gemm_fp8_ws.moe_gate_up_fp8_ws_kernel: 64-row tiles of one 128-column
-# quantization group, its columns split between the consumers). Off: the same bits; qwen3-30b-a3b-fp8 T = 8192
-# 1129 against 1158 us, but deepseek-v3 11567 against 9361 (27 GB read from DRAM against 11).
-FP8_WS_GATE_UP = False
+# quantization group, its columns split between the consumers). True / False: always / never where it serves;
+# None (default): where the K loop is long, H >= FP8_WS_GATE_UP_MIN_H. The same bits as the Triton kernel. One
+# CTA a tile (triton_ws.WS_TILE_GRID), H100, T = 8192 (benchmarks/RESULTS.md, fifteenth session): deepseek-v3
+# (H = 7168, 56 K steps) 9226 against 9867 us for the whole fp8 layer; qwen3-30b-a3b-fp8 (H = 2048, 16 K steps)
+# 1181 against 1143, where the per-tile prologue and epilogue weigh more against the shorter loop.
+FP8_WS_GATE_UP: bool | None = None
+FP8_WS_GATE_UP_MIN_H = 4096
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
 # on the H200 (benchmarks/RESULTS.md, 2026-12-03, seventh session): the GEMV
 # beat the MMA tiles 1.7x at T = 16 and 1.3x at T = 32 (N = 64, 128); its cost grows with pairs,
@@ -689,9 +693,10 @@ def _launch_fp8_gate_up_tma(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top
 def _launch_fp8_gate_up_ws(plan: _Plan, xq: torch.Tensor, xs: torch.Tensor, top_k_div: int, w: ExpertWeights,
                            ws: torch.Tensor, t: GemmTile, sbn: int, limit: float, alpha: float,
                            config: MoEConfig) -> bool:
-    """The fp8 gate_up by the Gluon kernel (FP8_WS_GATE_UP) where it serves the plan; False leaves it to the
+    """The fp8 gate_up by the Gluon kernel (FP8_WS_GATE_UP, its rule) where it serves the plan; False leaves it to the
     Triton kernels. Default accumulation only (plan.imprecise unset), f32 scales, the linear layout."""
-    if (not FP8_WS_GATE_UP or ws.dtype != torch.float32 or plan.imprecise or not plan.quant_out or w.interleaved
+    on = plan.H >= FP8_WS_GATE_UP_MIN_H if FP8_WS_GATE_UP is None else FP8_WS_GATE_UP
+    if (not on or ws.dtype != torch.float32 or plan.imprecise or not plan.quant_out or w.interleaved
             or w.layout != "linear" or _imprecise_acc(plan, t) is not None):
         return False
     from .triton_ws import fp8_ws_gate_up_stages, launch_gate_up_fp8_ws, ws_device_ok, ws_rows_ok

@@ -27,8 +27,8 @@ plan's:
 
 The fp8 block-scaled (W8A8) GEMMs of moeflow/kernels/moe_gemm_fp8_ws.py are launched here too
 (fp8_ws_down_tiles / launch_down_fp8_ws, fp8_ws_gate_up_stages / launch_gate_up_fp8_ws) where
-`moeflow.experts.triton_quant.FP8_WS_DOWN` / `FP8_WS_GATE_UP` (off) ask for them: BM 64 plans, 64-row tiles whose
-columns the two consumers split.
+`moeflow.experts.triton_quant.FP8_WS_DOWN` (off) / `FP8_WS_GATE_UP` (on from H >= 4096) ask for them: BM 64
+plans, 64-row tiles whose columns the two consumers split.
 
 Importing this module imports neither Triton nor Gluon (they load at the first launch).
 """
@@ -53,20 +53,23 @@ COLUMN_TILES = (256, 128, 64, 32)
 # the one the wgmmas read, plus one).
 GU_MIN_STAGES = 4
 _WS_ACTIVATIONS = {"silu": 0, "gelu_tanh": 1, "swiglu_clamp": 2, "gptoss": 3}
-# The Gluon kernels' grid: False, one persistent CTA an SM walking the tiles p, p + SMs, ... (the grouped
-# order); True, one CTA a tile (every tile the used blocks could have, the ones past them exit at once), so the
-# hardware hands tiles out in order as CTAs finish, as for the Triton non-persistent kernels. Why the switch
-# (benchmarks/RESULTS.md, fourteenth session): every persistent Gluon kernel reads its weights from DRAM about
-# twice as often as the Triton kernel of the same tiles and order (ncu, H100: the bf16 down 18 GB against 9.8,
-# the fp8 gate_up 27 GB against 11), and pacing the cooperative gate_up (equal time a tile) halved its reads at
-# uniform routing: the guess is that statically assigned CTAs drift apart by whole rounds, so the CTAs that
-# share a weight box no longer run together. Off (persistent) until measured.
-WS_TILE_GRID = False
+# The Gluon kernels' grid: True, one CTA a tile (every tile the used blocks could have, the ones past them exit at
+# once), so the hardware hands tiles out in order as CTAs finish, as for the Triton non-persistent kernels; False,
+# one persistent CTA an SM walking the tiles p, p + SMs, ... (the grouped order). Why a tile grid (benchmarks/
+# RESULTS.md, fourteenth and fifteenth sessions, H100): the persistent Gluon kernels read their weights from DRAM
+# about twice as often as the Triton kernels of the same tiles and order (ncu: the bf16 down 18 GB against 9.8,
+# the fp8 gate_up 27 GB against 11): statically assigned CTAs drift apart by whole rounds, so the CTAs that share
+# a weight box no longer run together. One CTA a tile, deepseek-v3 T = 8192: bf16 Gluon pair 14560 against 17880
+# us at Zipf routing (the Triton table 14419), fp8 gate_up 9226 against 9867 for the Triton kernel (persistent:
+# 11567, fourteenth session). At qwen3-30b-a3b-fp8 (H = 2048) persistent was the faster of the two, but there the
+# Triton kernels run (FP8_WS_GATE_UP's rule).
+WS_TILE_GRID = True
 
 
 # The fp8 down GEMM with its tiles claimed at run time from a global counter (moe_gemm_fp8_ws.
 # moe_down_fp8_ws_dyn_kernel): persistent CTAs that stay one contiguous window of the grouped order, however
-# they drift. Off until measured; WS_TILE_GRID wins over it.
+# they drift. On, it wins over WS_TILE_GRID. Off: level with the Triton down, no faster (deepseek-v3 T = 8192,
+# H100, fifteenth session: 9913 against 9867 us for the whole fp8 layer; the tile grid 10372, persistent 11120).
 WS_DYNAMIC_TILES = False
 
 
@@ -272,7 +275,7 @@ def launch_down_fp8_ws(aq_PI: torch.Tensor, as_PG: torch.Tensor, W: torch.Tensor
     E, H, I = W.shape
     ad = _descriptor(aq_PI, [TILE_M, BK])
     wd = _descriptor(W.view(E * H, I), [2 * BN, BK])  # both consumers' columns
-    if WS_DYNAMIC_TILES and not WS_TILE_GRID:
+    if WS_DYNAMIC_TILES:
         from ..kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_dyn_kernel
 
         dev = y_NH.device
