@@ -100,8 +100,10 @@ FP8_WS_DOWN = False
 # quantization group, its columns split between the consumers). True / False: always / never where it serves;
 # None (default): where the K loop is long, H >= FP8_WS_GATE_UP_MIN_H. The same bits as the Triton kernel. One
 # CTA a tile (triton_ws.WS_TILE_GRID), H100, T = 8192 (benchmarks/RESULTS.md, fifteenth session): deepseek-v3
-# (H = 7168, 56 K steps) 9226 against 9867 us for the whole fp8 layer; qwen3-30b-a3b-fp8 (H = 2048, 16 K steps)
-# 1181 against 1143, where the per-tile prologue and epilogue weigh more against the shorter loop.
+# (H = 7168, 56 K steps) 9226 against 9867 us for the whole fp8 layer (2-7% in three runs); qwen3-235b-a22b-fp8
+# (H = 4096) and glm-4.5-fp8 (H = 5120) level with the Triton kernel (within the rotation's 1.4-2.8% noise);
+# qwen3-30b-a3b-fp8 (H = 2048, 16 K steps) 1181 against 1143, where the per-tile prologue and epilogue weigh
+# more against the shorter loop.
 FP8_WS_GATE_UP: bool | None = None
 FP8_WS_GATE_UP_MIN_H = 4096
 # FP4 GEMV path (decode): at most this many (token, slot) pairs (gpt-oss K=4: T <= 32). gpt-oss-120b
