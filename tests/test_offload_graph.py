@@ -28,6 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from moeflow.hf.graphs import cache_kwarg
 from moeflow.offload.attach import attach_offload
 from moeflow.offload.config import OffloadConfig
 from moeflow.offload.graph import GraphStats, admit_torch, remap_torch, stage_torch
@@ -479,11 +480,11 @@ def _greedy(model, prompt: torch.Tensor, steps: int, between=None) -> torch.Tens
     from transformers import DynamicCache
 
     cache = DynamicCache()
-    out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+    out = model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True)
     toks = [out.logits[:, -1].argmax(-1, keepdim=True)]
     logits = [out.logits[:, -1]]
     for _ in range(steps):
-        out = model(input_ids=toks[-1], past_key_values=cache, use_cache=True)
+        out = model(input_ids=toks[-1], **{cache_kwarg(model): cache}, use_cache=True)
         toks.append(out.logits[:, -1].argmax(-1, keepdim=True))
         logits.append(out.logits[:, -1])
         if between is not None:
@@ -571,11 +572,11 @@ def test_gpu_patched_decode_step_adds_no_sync(family, hf_quiet):
 
     def stepper(model):
         cache = DynamicCache()
-        out = model(input_ids=prompt, past_key_values=cache, use_cache=True)
+        out = model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True)
         tok = [out.logits[:, -1].argmax(-1, keepdim=True)]
 
         def step():
-            o = model(input_ids=tok[0], past_key_values=cache, use_cache=True)
+            o = model(input_ids=tok[0], **{cache_kwarg(model): cache}, use_cache=True)
             tok[0] = o.logits[:, -1].argmax(-1, keepdim=True)
 
         return step

@@ -29,6 +29,7 @@ Greedy only (argmax); sampling would need its random state inside the graph.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 import torch
@@ -110,6 +111,12 @@ def _sync_free_runtimes(model: nn.Module) -> list:
     return list(seen.values())
 
 
+def cache_kwarg(model: nn.Module) -> str:
+    """The name of model.forward's KV-cache argument: `cache` where forward names it (transformers 5.24:
+    `past_key_values` is deprecated there, to be removed in 5.40), else `past_key_values` (5.17 and earlier)."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class StaticDecoder:
     """Greedy decode with a static KV cache, each step replayed from one CUDA graph (graph=True) or eager.
 
@@ -156,6 +163,7 @@ class StaticDecoder:
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits_BV: torch.Tensor | None = None
         self._runtimes = _sync_free_runtimes(model)
+        self._cache_kw = cache_kwarg(model)
 
     @property
     def captured(self) -> bool:
@@ -164,7 +172,7 @@ class StaticDecoder:
 
     def _step(self) -> torch.Tensor:
         """One decode step on the static buffers -> logits [B, V] of the last position."""
-        out = self.model(input_ids=self.tok_B1, past_key_values=self.cache, use_cache=True,
+        out = self.model(input_ids=self.tok_B1, **{self._cache_kw: self.cache}, use_cache=True,
                          cache_position=self.pos_1, attention_mask=self.mask_BM)
         return out.logits[:, -1]
 
@@ -205,7 +213,7 @@ class StaticDecoder:
             c.zero_()
         self.mask_BM.zero_()
         self.mask_BM[:, :P] = 1
-        out = self.model(input_ids=input_ids.to(self.device), past_key_values=self.cache, use_cache=True,
+        out = self.model(input_ids=input_ids.to(self.device), **{self._cache_kw: self.cache}, use_cache=True,
                          cache_position=torch.arange(P, device=self.device), attention_mask=self.mask_BM)
         toks = [out.logits[:, -1].argmax(-1, keepdim=True)]
         logits = []
