@@ -1,13 +1,16 @@
 """Benchmark the quantized Triton experts (`triton_quant`) against the HBM roof and our bf16 kernels (GPU).
 
 Legend: T tokens, K slots, E experts, H hidden, I intermediate per expert; fp8 = fp8_block 128x128
-(W8A8, f32 scales), mxfp4 = gpt-oss MXFP4 (W4A16, interleaved gate/up, biases).
+(W8A8, f32 scales), mxfp4 = gpt-oss MXFP4 (W4A16, interleaved gate/up, biases), nvfp4 = ModelOpt NVFP4
+(W4A16: E2M1, e4m3 scales a 16 values, per-tensor weight_scale_2; gate and up quantized apart).
 
 Shapes (shared/spec/benchmarks.md sizes):
     deepseek-v3    E=256 H=7168 I=2048 K=8   fp8     silu
     qwen3-30b-a3b-fp8  E=128 H=2048 I=768 K=8  fp8   silu (this and the next two: not in the default --shapes)
     qwen3-235b-a22b-fp8  E=128 H=4096 I=1536 K=8  fp8  silu
     glm-4.5-fp8    E=160 H=5120 I=1536 K=8   fp8     silu
+    deepseek-v3-nvfp4  E=256 H=7168 I=2048 K=8  nvfp4  silu (this and the next: not in the default --shapes)
+    qwen3-30b-a3b-nvfp4  E=128 H=2048 I=768 K=8  nvfp4  silu
     gpt-oss-120b   E=128 H=2880 I=2880 K=4   mxfp4   gptoss, layout "matmul", bf16 biases
 Weights: random bf16 scaled like a trained layer, quantized per expert with moeflow.quant's
 quantizers, stored contiguous [E, out, in] as checkpoints hold them. Routing: uniform, fixed seed.
@@ -81,11 +84,18 @@ SHAPES = {
                                 interleaved=False, bias=False, limit=None),
     "glm-4.5-fp8": dict(H=5120, I=1536, E=160, K=8, fmt="fp8", activation="silu", layout="linear",
                         interleaved=False, bias=False, limit=None),
+    # NVIDIA's NVFP4 (ModelOpt) checkpoints: DeepSeek-R1-FP4 (deepseek-v3's layer) and Qwen3-30B-A3B-FP4
+    "deepseek-v3-nvfp4": dict(H=7168, I=2048, E=256, K=8, fmt="nvfp4", activation="silu", layout="linear",
+                              interleaved=False, bias=False, limit=None),
+    "qwen3-30b-a3b-nvfp4": dict(H=2048, I=768, E=128, K=8, fmt="nvfp4", activation="silu", layout="linear",
+                                interleaved=False, bias=False, limit=None),
     "gpt-oss-120b": dict(H=2880, I=2880, E=128, K=4, fmt="mxfp4", activation="gptoss", layout="matmul",
                          interleaved=True, bias=True, limit=7.0),
     # --dry-run (CPU, Triton interpreter)
     "tiny-fp8": dict(H=256, I=128, E=8, K=2, fmt="fp8", activation="silu", layout="linear", interleaved=False,
                      bias=False, limit=None),
+    "tiny-nvfp4": dict(H=128, I=96, E=6, K=2, fmt="nvfp4", activation="silu", layout="linear", interleaved=False,
+                       bias=False, limit=None),
     "tiny-mxfp4": dict(H=128, I=96, E=6, K=2, fmt="mxfp4", activation="gptoss", layout="matmul",
                        interleaved=True, bias=True, limit=7.0),
 }
@@ -102,8 +112,8 @@ def build_weights(spec: dict, device, act_dtype, seed: int = 0) -> tuple[MoEConf
     One expert at a time (the quantizers work in f32: a whole layer at once would need several
     times its bf16 size), written into contiguous [E, out, in] storage.
     """
-    from moeflow.quant.formats import quantize_fp8_block, quantize_mxfp4
-    from moeflow.quant.spec import MXFP4, fp8_block_spec
+    from moeflow.quant.formats import quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+    from moeflow.quant.spec import MXFP4, NVFP4, fp8_block_spec
 
     E, H, I = spec["E"], spec["H"], spec["I"]
     cfg = MoEConfig(hidden_size=H, intermediate_size=I,
@@ -113,7 +123,8 @@ def build_weights(spec: dict, device, act_dtype, seed: int = 0) -> tuple[MoEConf
     g = torch.Generator(device=device).manual_seed(seed)
     gu_oi = torch.empty(E, 2 * I, H, dtype=act_dtype, device=device)  # [E, out, in] plain weights
     dn_oi = torch.empty(E, H, I, dtype=act_dtype, device=device)
-    fp8 = spec["fmt"] == "fp8"
+    fp8, nvfp4 = spec["fmt"] == "fp8", spec["fmt"] == "nvfp4"
+    g2 = d2 = None
     if fp8:
         qspec = fp8_block_spec((128, 128))
         bn, bk = qspec.block
@@ -121,6 +132,14 @@ def build_weights(spec: dict, device, act_dtype, seed: int = 0) -> tuple[MoEConf
         dq = torch.empty(E, H, I, dtype=torch.float8_e4m3fn, device=device)
         gs = torch.empty(E, 2 * -(-I // bn), -(-H // bk), dtype=torch.float32, device=device)
         ds = torch.empty(E, -(-H // bn), -(-I // bk), dtype=torch.float32, device=device)
+    elif nvfp4:  # ModelOpt layout: e4m3 scales a 16 values, a per-tensor f32 weight_scale_2 (gate, up apart)
+        qspec = NVFP4
+        gq = torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, device=device)
+        dq = torch.empty(E, H, I // 2, dtype=torch.uint8, device=device)
+        gs = torch.empty(E, 2 * I, H // 16, dtype=torch.float8_e4m3fn, device=device)
+        ds = torch.empty(E, H, I // 16, dtype=torch.float8_e4m3fn, device=device)
+        g2 = torch.empty(E, 2, dtype=torch.float32, device=device)
+        d2 = torch.empty(E, dtype=torch.float32, device=device)
     else:
         qspec = MXFP4
         gq = torch.empty(E, 2 * I, H // 2, dtype=torch.uint8, device=device)
@@ -136,6 +155,10 @@ def build_weights(spec: dict, device, act_dtype, seed: int = 0) -> tuple[MoEConf
             gq[e] = torch.cat((q0, q1))
             gs[e] = torch.cat((s0, s1))
             dq[e], ds[e] = quantize_fp8_block(dn_oi[e], (bn, bk))
+        elif nvfp4:
+            (q0, s0, t0), (q1, s1, t1) = (quantize_nvfp4(h) for h in (gu_oi[e, :I], gu_oi[e, I:]))
+            gq[e], gs[e], g2[e] = torch.cat((q0, q1)), torch.cat((s0, s1)), torch.stack((t0, t1))
+            dq[e], ds[e], d2[e] = quantize_nvfp4(dn_oi[e])
         else:
             gq[e], gs[e] = quantize_mxfp4(gu_oi[e])
             dq[e], ds[e] = quantize_mxfp4(dn_oi[e])
@@ -144,7 +167,7 @@ def build_weights(spec: dict, device, act_dtype, seed: int = 0) -> tuple[MoEConf
         gb = (torch.randn(E, 2 * I, device=device, generator=g) * 0.1).to(act_dtype)
         db = (torch.randn(E, H, device=device, generator=g) * 0.1).to(act_dtype)
     wq = ExpertWeights(gq, dq, gb, db, layout=spec["layout"], interleaved=spec["interleaved"], quant=qspec,
-                       gate_up_scale=gs, down_scale=ds)
+                       gate_up_scale=gs, down_scale=ds, gate_up_scale_2=g2, down_scale_2=d2)
     if spec["layout"] == "matmul":
         plain = ExpertWeights(gu_oi.transpose(1, 2).contiguous(), dn_oi.transpose(1, 2).contiguous(), gb, db,
                               layout="matmul", interleaved=spec["interleaved"])
