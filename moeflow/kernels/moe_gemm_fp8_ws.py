@@ -62,6 +62,7 @@ from .moe_gemm_ws import (
     TILE_M,
     _ws_activate,
     _ws_down_load,
+    _ws_down_load_tile,
     _ws_init_barriers,
     _ws_live,
     _ws_rows_drain,
@@ -449,8 +450,7 @@ def _ws_tid_get(tids, tid_ready, tid_empty, j):
 def _fp8_ws_dyn_down_load(ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready, tid_empty, counter_ptr, sorted_ptr,
                           block_expert_ptr, used, num_pairs, H, I, GROUP_M: gl.constexpr):
     """Producer: claim tiles in order until none is left; for each live one, its id to the consumers, then its
-    K steps' TMA copies into the ring (moe_gemm_ws._ws_down_load's)."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    K steps' TMA copies into the ring (moe_gemm_ws._ws_down_load_tile, as the static producer)."""
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
     BOX_N: gl.constexpr = wd.block_type.shape[0]
     n_n = gl.cdiv(H, BOX_N)
@@ -464,14 +464,7 @@ def _fp8_ws_dyn_down_load(ad, wd, a_bufs, b_bufs, ready, empty, tids, tid_ready,
         if _ws_live(sorted_ptr, pid_r * TILE_M, num_pairs):
             _ws_tid_put(tids, tid_ready, tid_empty, j, tile)
             e = gl.load(block_expert_ptr + pid_r)
-            for kt in range(k_tiles):
-                s = c % STAGES
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
-                tma.async_copy_global_to_shared(ad, [pid_r * TILE_M, kt * BLOCK_K], bar, a_bufs.index(s))
-                tma.async_copy_global_to_shared(wd, [e * H + pid_n * BOX_N, kt * BLOCK_K], bar, b_bufs.index(s))
-                c += 1
+            c = _ws_down_load_tile(ad, wd, a_bufs, b_bufs, ready, empty, c, e, pid_r, pid_n, H, I, k_tiles, False)
             j += 1
         tile = gl.atomic_add(counter_ptr, 1)
     _ws_tid_put(tids, tid_ready, tid_empty, j, -1)

@@ -231,7 +231,6 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
                   SUB: gl.constexpr, NUM_PROGS: gl.constexpr, GROUP_M: gl.constexpr, MATMUL: gl.constexpr):
     """Producer: the TMA copies of every K step of this CTA's live tiles (ROWS rows: 64 ping-pong, 128
     cooperative), in order, into the ring."""
-    STAGES: gl.constexpr = a_bufs.type.shape[0]
     ROWS: gl.constexpr = ad.block_type.shape[0]
     BLOCK_K: gl.constexpr = ad.block_type.shape[1]
     BLOCK_N: gl.constexpr = wd.block_type.shape[1] if MATMUL else wd.block_type.shape[0]
@@ -242,19 +241,32 @@ def _ws_down_load(ad, wd, a_bufs, b_bufs, ready, empty, sorted_ptr, block_expert
         pid_r, pid_n = _ws_tile_ids(tile, used * SUB, n_n, GROUP_M)
         if _ws_live(sorted_ptr, pid_r * ROWS, num_pairs):
             e = gl.load(block_expert_ptr + pid_r // SUB)
-            for kt in range(k_tiles):
-                s = c % STAGES
-                # a fresh mbarrier counts as having completed the phase before phase 0: the first
-                # pass over the ring waits on parity 1 and goes straight through
-                mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
-                bar = ready.index(s)
-                mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
-                tma.async_copy_global_to_shared(ad, [pid_r * ROWS, kt * BLOCK_K], bar, a_bufs.index(s))
-                if MATMUL:  # down [E, I, H] viewed [E * I, H]
-                    tma.async_copy_global_to_shared(wd, [e * I + kt * BLOCK_K, pid_n * BLOCK_N], bar, b_bufs.index(s))
-                else:  # down [E, H, I] viewed [E * H, I]
-                    tma.async_copy_global_to_shared(wd, [e * H + pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
-                c += 1
+            c = _ws_down_load_tile(ad, wd, a_bufs, b_bufs, ready, empty, c, e, pid_r, pid_n, H, I, k_tiles, MATMUL)
+
+
+@gluon.jit
+def _ws_down_load_tile(ad, wd, a_bufs, b_bufs, ready, empty, c, e, pid_r, pid_n, H, I, k_tiles,
+                       MATMUL: gl.constexpr):
+    """Producer: one live tile's TMA copies (act rows pid_r * ROWS.., expert e's weight columns pid_n * BN..),
+    K step by K step into the ring from position c; returns the position after them."""
+    STAGES: gl.constexpr = a_bufs.type.shape[0]
+    ROWS: gl.constexpr = ad.block_type.shape[0]
+    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
+    BLOCK_N: gl.constexpr = wd.block_type.shape[1] if MATMUL else wd.block_type.shape[0]
+    for kt in range(k_tiles):
+        s = c % STAGES
+        # a fresh mbarrier counts as having completed the phase before phase 0: the first
+        # pass over the ring waits on parity 1 and goes straight through
+        mbarrier.wait(empty.index(s), ((c // STAGES) & 1) ^ 1)
+        bar = ready.index(s)
+        mbarrier.expect(bar, ad.block_type.nbytes + wd.block_type.nbytes)
+        tma.async_copy_global_to_shared(ad, [pid_r * ROWS, kt * BLOCK_K], bar, a_bufs.index(s))
+        if MATMUL:  # down [E, I, H] viewed [E * I, H]
+            tma.async_copy_global_to_shared(wd, [e * I + kt * BLOCK_K, pid_n * BLOCK_N], bar, b_bufs.index(s))
+        else:  # down [E, H, I] viewed [E * H, I]
+            tma.async_copy_global_to_shared(wd, [e * H + pid_n * BLOCK_N, kt * BLOCK_K], bar, b_bufs.index(s))
+        c += 1
+    return c
 
 
 @gluon.jit
