@@ -479,12 +479,12 @@ def _hf_pair(family: str, full_cache: bool = False, policy: str = "lru"):
 def _greedy(model, prompt: torch.Tensor, steps: int, between=None) -> torch.Tensor:
     from transformers import DynamicCache
 
-    cache = DynamicCache()
-    out = model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True)
+    cache = {cache_kwarg(model): DynamicCache()}
+    out = model(input_ids=prompt, **cache, use_cache=True)
     toks = [out.logits[:, -1].argmax(-1, keepdim=True)]
     logits = [out.logits[:, -1]]
     for _ in range(steps):
-        out = model(input_ids=toks[-1], **{cache_kwarg(model): cache}, use_cache=True)
+        out = model(input_ids=toks[-1], **cache, use_cache=True)
         toks.append(out.logits[:, -1].argmax(-1, keepdim=True))
         logits.append(out.logits[:, -1])
         if between is not None:
@@ -571,12 +571,12 @@ def test_gpu_patched_decode_step_adds_no_sync(family, hf_quiet):
     prompt = torch.randint(3, 97, (1, 6), device="cuda", generator=torch.Generator("cuda").manual_seed(1))
 
     def stepper(model):
-        cache = DynamicCache()
-        out = model(input_ids=prompt, **{cache_kwarg(model): cache}, use_cache=True)
+        cache = {cache_kwarg(model): DynamicCache()}  # the name once, not a signature lookup a step
+        out = model(input_ids=prompt, **cache, use_cache=True)
         tok = [out.logits[:, -1].argmax(-1, keepdim=True)]
 
         def step():
-            o = model(input_ids=tok[0], **{cache_kwarg(model): cache}, use_cache=True)
+            o = model(input_ids=tok[0], **cache, use_cache=True)
             tok[0] = o.logits[:, -1].argmax(-1, keepdim=True)
 
         return step
