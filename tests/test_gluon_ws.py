@@ -196,6 +196,22 @@ def test_fp8_ws_down_tiles():
     assert fp8_ws_down_tiles(64, 128, 128, 96, 2048, 128) == (16, 128, 6)  # H 96: the widest 2BN dividing it
 
 
+def _compile_fp8_down(bn: int, bk: int, stages: int, dynamic: bool):
+    """moe_gemm_fp8_ws's down kernel compiled offline for sm_90a: 64-row act box, weight box [2BN, BK];
+    dynamic: moe_down_fp8_ws_dyn_kernel (tiles claimed from a counter), else moe_down_fp8_ws_kernel."""
+    from benchmarks.sass_mix import compile_kernel, gluon_desc_type
+    from moeflow.kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_dyn_kernel, moe_down_fp8_ws_kernel
+
+    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [2 * bn, bk]), as_ptr="*fp32",
+                 ws_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
+    consts = dict(GROUP_M=8, STAGES=stages, num_warps=4)
+    if dynamic:
+        kernel, types["counter_ptr"] = moe_down_fp8_ws_dyn_kernel, "*i32"
+    else:
+        kernel, consts["NUM_PROGS"] = moe_down_fp8_ws_kernel, 132
+    return compile_kernel(kernel, types, consts, num_warps=4, div16=("H", "I", "stride_yn", "stride_as"))
+
+
 @needs_gluon
 @pytest.mark.parametrize("bn,stages", [(128, 5), (64, 6)])
 def test_fp8_ws_down_compiles_with_the_scaling_off_the_other_consumer(bn, stages):
@@ -204,14 +220,10 @@ def test_fp8_ws_down_compiles_with_the_scaling_off_the_other_consumer(bn, stages
     m64 x BN x k32 e4m3 wgmmas, their wait, one release and BN / 2 FFMAs (product x scale into the sum); its
     only barrier is its own warp group's (128 threads), never the CTA's, so the other consumer's wgmmas run
     during the scaling."""
-    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
-    from moeflow.kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_kernel
+    from benchmarks.sass_mix import gmma_loop, opcode_mix, sass_text
 
     bk = 128
-    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [2 * bn, bk]), as_ptr="*fp32",
-                 ws_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32", block_expert_ptr="*i32")
-    k = compile_kernel(moe_down_fp8_ws_kernel, types, dict(NUM_PROGS=132, GROUP_M=8, STAGES=stages, num_warps=4),
-                       num_warps=4, div16=("H", "I", "stride_yn", "stride_as"))
+    k = _compile_fp8_down(bn, bk, stages, dynamic=False)
     ptx, sass = k.asm["ptx"], sass_text(k)
     assert ".reqntid 384" in ptx
     assert "setmaxnreg.dec.sync.aligned.u32 \t40;" in ptx and "setmaxnreg.inc.sync.aligned.u32 \t232;" in ptx
@@ -316,16 +328,10 @@ def test_fp8_ws_dynamic_down_compiles():
     """moe_gemm_fp8_ws.moe_down_fp8_ws_dyn_kernel (sm_90a, offline): no spill; the producer claims tiles with one
     global atomic (one thread's) each; the consumers' K step is the static kernel's (one ring wait, BK / 32
     wgmmas, one release, BN / 2 FFMAs, warp-group barriers only)."""
-    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
-    from moeflow.kernels.moe_gemm_fp8_ws import moe_down_fp8_ws_dyn_kernel
+    from benchmarks.sass_mix import gmma_loop, opcode_mix, sass_text
 
     bk, bn = 128, 128
-    types = dict(ad=gluon_desc_type("fp8e4nv", [64, bk]), wd=gluon_desc_type("fp8e4nv", [2 * bn, bk]),
-                 counter_ptr="*i32", as_ptr="*fp32", ws_ptr="*fp32", y_ptr="*bf16", sorted_ptr="*i32",
-                 block_expert_ptr="*i32")
-    k = compile_kernel(moe_down_fp8_ws_dyn_kernel, types, dict(GROUP_M=8, STAGES=5, num_warps=4), num_warps=4,
-                       div16=("H", "I", "stride_yn", "stride_as"))
-    sass = sass_text(k)
+    sass = sass_text(_compile_fp8_down(bn, bk, 5, dynamic=True))
     assert "STL" not in sass and "LDL" not in sass
     atoms = [ln for ln in sass.splitlines() if "ATOMG.E.ADD" in ln]
     assert len(atoms) == 2 and all(ln.strip().split()[1].startswith("@P") for ln in atoms), atoms  # first, next
