@@ -137,11 +137,20 @@ class _SwiGLU(nn.Module):
 
 def _block(kind: str, impl: str):
     """A MoELayer at a real layer shape with a shared expert (random weights, bf16, CUDA)."""
+    return _blocks(kind, (impl,))[0]
+
+
+def _blocks(kind: str, impls: tuple[str, ...]) -> list:
+    """One MoELayer per experts impl, all on the same weights (one copy on the GPU): a real layer shape with a
+    shared expert (random weights, bf16, CUDA). The routed experts are drawn on the GPU: deepseek-v3's are 11 G
+    values, which took minutes and 45 GB of host memory as f32 on the CPU, and two copies (one a layer) ran
+    an 8-worker GPU suite out of memory on an 80 GB card (fifteenth session)."""
     from moeflow.config import ExpertWeights, MoEConfig
     from moeflow.layer import MoELayer
     from moeflow.routing.spec import RouterSpec
 
     g = torch.Generator().manual_seed(3)
+    g_dev = torch.Generator("cuda").manual_seed(3)
     if kind == "deepseek_v3":
         E, K, H, I, Is = 256, 8, 7168, 2048, 2048
         spec = RouterSpec(score_fn="sigmoid", num_experts=E, top_k=K, renorm=True, renorm_eps=1e-20,
@@ -159,8 +168,8 @@ def _block(kind: str, impl: str):
     cfg = MoEConfig(hidden_size=H, intermediate_size=I, router=spec, activation=act, swiglu_limit=limit,
                     shared_gated=kind == "qwen2_moe")
     dev = "cuda"
-    w = ExpertWeights((torch.randn(E, 2 * I, H, generator=g) * 0.02).to(dev, torch.bfloat16),
-                      (torch.randn(E, H, I, generator=g) * 0.02).to(dev, torch.bfloat16))
+    w = ExpertWeights(torch.randn(E, 2 * I, H, generator=g_dev, device=dev, dtype=torch.bfloat16).mul_(0.02),
+                      torch.randn(E, H, I, generator=g_dev, device=dev, dtype=torch.bfloat16).mul_(0.02))
     shared = _SwiGLU(H, Is, limit)
     with torch.no_grad():
         for lin in (shared.gate_proj, shared.up_proj, shared.down_proj):
@@ -171,8 +180,9 @@ def _block(kind: str, impl: str):
         kw["selection_bias_E"] = (torch.randn(E, generator=g) * 0.1).to(dev)
     if kind == "qwen2_moe":
         kw["shared_gate_weight_1H"] = (torch.randn(1, H, generator=g) * 0.02).to(dev, torch.bfloat16)
-    return MoELayer(cfg, router_weight_EH=(torch.randn(E, H, generator=g) * 0.02).to(dev, torch.bfloat16),
-                    experts=w, shared_expert=shared, experts_impl=impl, **kw)
+    router_EH = (torch.randn(E, H, generator=g) * 0.02).to(dev, torch.bfloat16)
+    return [MoELayer(cfg, router_weight_EH=router_EH, experts=w, shared_expert=shared, experts_impl=impl, **kw)
+            for impl in impls]
 
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "qwen2_moe", "deepseek_v4"])
@@ -199,7 +209,7 @@ def test_block_with_shared_expert_is_batch_invariant(kind):
 
 @pytest.mark.parametrize("kind", ["deepseek_v3", "qwen2_moe"])
 def test_batch_invariant_block_matches_the_default_within_bf16(kind):
-    bi, fast = _block(kind, "triton_bi"), _block(kind, "triton")
+    bi, fast = _blocks(kind, ("triton_bi", "triton"))
     x = torch.randn(300, bi.config.hidden_size, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
     with torch.no_grad():
         a, b = bi(x.bfloat16()).float(), fast(x.bfloat16()).float()
