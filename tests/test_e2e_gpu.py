@@ -9,7 +9,6 @@ Legend: B batch, S sequence, T tokens, H hidden, E routed experts, K picks, Is s
 from __future__ import annotations
 
 import importlib.util
-import os
 
 import pytest
 import torch
@@ -134,23 +133,6 @@ class _SwiGLU(nn.Module):
         if self.limit is not None:
             g, u = g.clamp(max=self.limit), u.clamp(-self.limit, self.limit)
         return self.down_proj(nn.functional.silu(g) * u)
-
-
-@pytest.fixture
-def one_real_size_layer_at_a_time():
-    """Hold an inter-process lock for the test: pytest-xdist workers (tests/gpu_suite.sh runs 8) take turns at
-    the real-size layers. Two deepseek-v3 layers at once (22.5 GB of experts each) and the other workers ran
-    the suite out of memory on an 80 GB H100 (fifteenth session). A file lock, not xdist's loadgroup: that did
-    not group tests with pytest 9.2 and xdist 3.8 here."""
-    import fcntl
-    import tempfile
-
-    with open(os.path.join(tempfile.gettempdir(), "moeflow_real_size_layers.lock"), "w") as f:
-        fcntl.flock(f, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _block(kind: str, impl: str):
