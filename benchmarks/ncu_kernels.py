@@ -74,6 +74,8 @@ class Case:
     @property
     def tiny_shape(self) -> str:
         if self.kind == "quant":
+            if self.shape.endswith("-nvfp4"):
+                return "tiny-nvfp4"
             return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8") else "tiny-mxfp4"
         if self.kind in ("experts", "experts_ws", "gmm"):
             return "tiny-gptoss" if self.shape == "gpt-oss-120b" else "tiny-silu"
@@ -193,6 +195,11 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts MXFP4 W4A16, T=64 (the MMA path; issue 15: 0.30 of the roof)"),
     Case("quant_mxfp4_prefill_t8192_gpt_oss", "quant", "gpt-oss-120b", 8192,
          "TritonQuantExperts MXFP4 W4A16, T=8192", tiny_T=64),
+    # NVFP4 (ModelOpt layout) at deepseek-v3's layer: first profiled in the sixteenth session (0.54 of the roof at T=1)
+    Case("quant_nvfp4_gemv_t1_deepseek_v3", "quant", "deepseek-v3-nvfp4", 1,
+         "TritonQuantExperts NVFP4 W4A16, T=1 (the GEMV path)"),
+    Case("quant_nvfp4_t64_deepseek_v3", "quant", "deepseek-v3-nvfp4", 64,
+         "TritonQuantExperts NVFP4 W4A16, T=64 (the MMA path)"),
     Case("quant_fp8_decode_t1_deepseek_v3", "quant", "deepseek-v3", 1,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=1"),
     Case("quant_fp8_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
