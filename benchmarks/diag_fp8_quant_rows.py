@@ -23,8 +23,8 @@ if str(ROOT) not in sys.path:
 def _launch(kernel, x, xq, xs, G: int, gpp: int, nw: int) -> None:
     """One quantization of x [M, H] into xq / xs, GPP groups a program on nw warps."""
     M, H = x.shape
-    kernel[(M, -(-(H // G) // gpp))](x, xq, xs, M, H, x.stride(0), xq.stride(0), xs.stride(0), xs, 0, G=G,
-                                     GPP=gpp, num_warps=nw)
+    kernel[(M, -(-(H // G) // gpp))](x, xq, xs, M, H, x.stride(0), xq.stride(0), xs.stride(0), G=G, GPP=gpp,
+                                     num_warps=nw)
 
 
 def main() -> int:

@@ -536,13 +536,11 @@ def _u8(t: torch.Tensor) -> torch.Tensor:
 
 
 def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch.Tensor] | None = None, *,
-                      pdl: bool = False, placed: tuple[torch.Tensor, int] | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      pdl: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """(xq_MH float8_e4m3fn, xs_MG f32) of x rows, per row per G channels (quantize_fp8_activations).
 
     x_MH: bf16 / fp16 / f32 rows; out: the two buffers to fill (allocated if None); pdl: launched
-    with programmatic dependent launch (moeflow/kernels/pdl.py); placed: (sorted_P, N) when the rows
-    are placed positions: padding rows are skipped (left unwritten).
+    with programmatic dependent launch (moeflow/kernels/pdl.py).
     """
     from ..kernels.moe_gemm_quant import fp8_quant_rows_kernel
 
@@ -554,10 +552,8 @@ def _launch_fp8_quant(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch
         xq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x_MH.device)
         xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
     gpp = _QUANT_GROUPS_PER_PROGRAM
-    sorted_P, n_pairs = placed if placed is not None else (xs, 0)  # dummy pointer when not placed
     fp8_quant_rows_kernel[(M, -(-ng // gpp))](x_MH, xq, xs, M, H, x_MH.stride(0), xq.stride(0), xs.stride(0),
-                                              sorted_P, n_pairs, G=G, GPP=gpp, PLACED=placed is not None,
-                                              num_warps=_QUANT_WARPS, PDL=pdl, launch_pdl=pdl)
+                                              G=G, GPP=gpp, num_warps=_QUANT_WARPS, PDL=pdl, launch_pdl=pdl)
     return xq, xs
 
 
@@ -596,10 +592,8 @@ def _launch_gate_up(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Expert
             SCALAR_WS=_fp8_scalar_ws(t, sbn), IMPRECISE=_imprecise_acc(plan, t), **common,
         )
         if not plan.quant_out:
-            # The placed rows that hold pairs: padding rows' activations were never written, and down
-            # masks them out of its loads.
-            _launch_fp8_quant(plan.act_PI, plan.G, out=(plan.aq_PI, plan.as_PG), pdl=plan.pdl,
-                              placed=(plan.sorted_P, plan.N))
+            # Every placed row, padding rows included (their values are never stored by down).
+            _launch_fp8_quant(plan.act_PI, plan.G, out=(plan.aq_PI, plan.as_PG), pdl=plan.pdl)
         return
     s = w.gate_up_scale.view(torch.uint8)  # E8M0 / e4m3 bytes, decoded in the kernel
     s2 = w.gate_up_scale_2 if w.gate_up_scale_2 is not None else s  # dummy pointer for mxfp4

@@ -231,23 +231,16 @@ def _fp8_quant_store(out, rows, row_ok, offs_j, j_ok, pid_n, aq_ptr, as_ptr, str
 
 # ------------------------------------------------------------------------------ FP8 W8A8
 @fast_kernel
-@triton.jit(do_not_specialize=["M", "num_pairs"])
-def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_s, sorted_ptr, num_pairs,
-                          G: tl.constexpr, GPP: tl.constexpr, PLACED: tl.constexpr = False,
-                          PDL: tl.constexpr = False):
+@triton.jit(do_not_specialize=["M"])
+def fp8_quant_rows_kernel(x_ptr, q_ptr, s_ptr, M, H, stride_x, stride_q, stride_s,
+                          G: tl.constexpr, GPP: tl.constexpr, PDL: tl.constexpr = False):
     """Grid (M, cdiv(cdiv(H, G), GPP)): xq [M, H] float8e4nv and xs [M, cdiv(H, G)] f32 of x [M, H].
 
-    Each program quantizes GPP groups of one row (the activations of gate_up's input, or gate_up's f32
-    output). PLACED: the rows are placed positions (sorted_ptr: moe_align's sorted_P); a padding row
-    (sorted_P >= num_pairs) is skipped, its output left unwritten (down never reads it: its loads are
-    masked by the same test). At deepseek-v3 T = 1, 8 of the 128 placed rows are pairs.
+    Each program quantizes GPP groups of one row (the activations of gate_up's input).
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
     r = tl.program_id(0).to(tl.int64)
-    if PLACED:
-        if tl.load(sorted_ptr + r) >= num_pairs:
-            return
     offs_g = tl.program_id(1) * GPP + tl.arange(0, GPP)
     offs_h = offs_g[:, None] * G + tl.arange(0, G)[None, :]
     ok = offs_h < H
