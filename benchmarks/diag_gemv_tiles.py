@@ -75,13 +75,20 @@ def load_baseline(rev: str, tmp: Path):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--shape", default="gpt-oss-120b", choices=("gpt-oss-120b",))
+    ap.add_argument("--shape", default="gpt-oss-120b",
+                    choices=sorted(n for n, v in SHAPES.items() if v["fmt"] in ("mxfp4", "nvfp4")))
+    ap.add_argument("--tiles", default=None,
+                    help="BNxBKwW,... (e.g. 8x512w4,16x512w4): the GEMV tiles to time instead of TILES")
     ap.add_argument("--tokens", default="1,2,4,8,16,32")
     ap.add_argument("--baseline-rev", default=None,
                     help="git revision (or a directory with its two files) whose quantized experts run as 'baseline'")
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
+    tiles_list = TILES
+    if args.tiles:
+        tiles_list = tuple(tuple(int(v) for v in re.fullmatch(r"(\d+)x(\d+)w(\d+)", t).groups())
+                           for t in args.tiles.split(","))
     if not torch.cuda.is_available():
         print("diag_gemv_tiles: needs a CUDA device", file=sys.stderr)
         return 2
@@ -102,8 +109,8 @@ def main(argv=None) -> int:
         ref = reference(x, ids, wts, wq, cfg, w8a8=False)
         variants = [("baseline", baseline(), None, True)] if baseline else []
         variants += [(f"gemv_{bn}x{bk}w{nw}", tq.TritonQuantExperts(), dict(block_n=bn, block_k=bk, num_warps=nw),
-                      True) for bn, bk, nw in TILES]
-        bn, bk, nw = TILES[0]
+                      True) for bn, bk, nw in tiles_list]
+        bn, bk, nw = tiles_list[0]
         variants.append((f"gemv_{bn}x{bk}w{nw}_tdec", tq.TritonQuantExperts(),
                          dict(block_n=bn, block_k=bk, num_warps=nw), False))
         variants.append(("mma_default", tq.TritonQuantExperts(), "mma", True))
