@@ -46,6 +46,8 @@ from benchmarks.common import env_info, hbm_read_roof_bytes_per_s, time_cuda_gra
 from benchmarks.tune_experts import routing  # noqa: E402
 from moeflow.experts import triton_quant as tq  # noqa: E402
 
+# triton_quant's GEMV tile dicts, each set to the variant's tile (one tile whatever the rule would pick).
+GEMV_TILE_DICTS = ("_GEMV_TILES", "_GEMV_TILES_FEW", "_GEMV_TILES_LONG_K")
 TILES = ((16, 512, 8), (16, 256, 4), (32, 512, 8), (32, 256, 4), (16, 512, 4), (32, 512, 4), (64, 256, 8),
          (16, 256, 8))
 
@@ -123,13 +125,14 @@ def main(argv=None) -> int:
         # Two passes, the second in reverse order, each variant's time the lower of the two: the first
         # variant timed after the weights were built ran 5-10% slow on the H100 (sixteenth session).
         for name, impl, tiles, asm in variants + variants[::-1]:
-            saved = (dict(tq._GEMV_TILES), dict(tq._GEMV_TILES_FEW), tq._GEMV_MAX_PAIRS, tq.FP4_DECODE_ASM)
+            saved_tiles = {d: dict(getattr(tq, d)) for d in GEMV_TILE_DICTS}
+            saved = (tq._GEMV_MAX_PAIRS, tq.FP4_DECODE_ASM)
             tq.FP4_DECODE_ASM = asm
             if tiles == "mma":
                 tq._GEMV_MAX_PAIRS = 0
             elif tiles is not None:
-                tq._GEMV_TILES.update(tiles)
-                tq._GEMV_TILES_FEW.update(tiles)
+                for d in GEMV_TILE_DICTS:
+                    getattr(tq, d).update(tiles)
                 tq._GEMV_MAX_PAIRS = 1 << 20
             try:
                 fn = functools.partial(impl.forward_tokens, x, ids, wts, wq, cfg)
@@ -147,11 +150,10 @@ def main(argv=None) -> int:
             except Exception as exc:  # noqa: BLE001 - a variant that fails is reported, not fatal
                 r = dict(T=T, variant=name, error=repr(exc)[:400])
             finally:
-                tq._GEMV_TILES.clear()
-                tq._GEMV_TILES.update(saved[0])
-                tq._GEMV_TILES_FEW.clear()
-                tq._GEMV_TILES_FEW.update(saved[1])
-                tq._GEMV_MAX_PAIRS, tq.FP4_DECODE_ASM = saved[2], saved[3]
+                for d, v in saved_tiles.items():
+                    getattr(tq, d).clear()
+                    getattr(tq, d).update(v)
+                tq._GEMV_MAX_PAIRS, tq.FP4_DECODE_ASM = saved
             rows.append(r)
             print(json.dumps(r), flush=True)
         a, b = f"gemv_{bn}x{bk}w{nw}", f"gemv_{bn}x{bk}w{nw}_tdec"

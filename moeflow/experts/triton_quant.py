@@ -114,16 +114,17 @@ _GEMV_MAX_PAIRS = 128
 # fp8_block K blocks the kernels compile (BK = bk: one weight scale a K tile).
 _FP8_BK = (32, 64, 128, 256)
 # GEMV tiles: BN outputs per program (x2 rows for interleaved gate/up), BK reduction elements a step
-# (BK/8 packed int32 words of each row), warps. Up to _GEMV_FEW_PAIRS pairs, or from a hidden size of
-# _GEMV_LONG_H, the narrow tile with a long K step (16 rows x 512 bytes in flight a step); else the wider
-# one (more rows per thread share its activations). H100, sixteenth session (benchmarks/diag_gemv_tiles.py,
-# ncu: the NVFP4 gate_up at deepseek-v3 T = 1 stalled on its loads, no unit above 53%): BK 1024 against
-# 512 / 256, us: deepseek-v3-nvfp4 T = 1 108 / 119-130, T = 2 187 / 212, T = 8 639 / 666; qwen3-30b-nvfp4
-# T = 1 24.5 / 25.3; gpt-oss-120b T = 1 46.3 / 49.4. Where H is short and pairs are many (gpt-oss T = 8,
-# qwen3 T = 8) the BN 32 x BK 256 tile stayed 5-7% faster.
+# (BK/8 packed int32 words of each row), warps. From a hidden size of _GEMV_LONG_H the narrow tile with a
+# long K step (16 rows x 512 bytes in flight a step); else up to _GEMV_FEW_PAIRS pairs the narrow tile
+# (more programs), above it the wider one (more rows per thread share its activations).
+# H100, sixteenth session (benchmarks/diag_gemv_tiles.py against the earlier tiles in the same run; ncu: the
+# NVFP4 gate_up at deepseek-v3 T = 1 stalled on its loads, no unit above 53%): deepseek-v3-nvfp4 (H 7168)
+# T = 1 / 2 / 8: 106.2 / 186.3 / 628.5 us against 119.1 / 210.9 / 664.0. gpt-oss-120b (H 2880) gained
+# nothing from BK 1024 (T = 1 46.3 against 46.1 us, T = 2 73.0 against 70.3, T = 8 216 against 200).
 _GEMV_FEW_PAIRS = 8
 _GEMV_LONG_H = 4096
-_GEMV_TILES_FEW = dict(block_n=16, block_k=1024, num_warps=4)
+_GEMV_TILES_LONG_K = dict(block_n=16, block_k=1024, num_warps=4)
+_GEMV_TILES_FEW = dict(block_n=16, block_k=512, num_warps=4)
 _GEMV_TILES = dict(block_n=32, block_k=256, num_warps=4)
 _GEMV_TILES_SMALL = dict(block_n=16, block_k=64, num_warps=4)  # interpreter / CPU
 _E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -804,7 +805,8 @@ def _run_gemv(x_MH, ids_N, wts_N, T, K, w: ExpertWeights, config: MoEConfig, *, 
     if dev.type == "cpu":
         tiles = _GEMV_TILES_SMALL
     else:
-        tiles = _GEMV_TILES_FEW if N <= _GEMV_FEW_PAIRS or H >= _GEMV_LONG_H else _GEMV_TILES
+        tiles = (_GEMV_TILES_LONG_K if H >= _GEMV_LONG_H else _GEMV_TILES_FEW if N <= _GEMV_FEW_PAIRS
+                 else _GEMV_TILES)
     bn, bk, nw = tiles["block_n"], tiles["block_k"], tiles["num_warps"]
     if weight_on_input:
         # llama4: the expert's input is (w * x) rounded to x's dtype, one row per pair (as _run).
