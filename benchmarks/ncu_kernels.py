@@ -164,6 +164,12 @@ CASES: tuple[Case, ...] = (
          tiny_T=64, dist="zipf"),
     # the T=2048 points not profiled before (issue 16 item 1; RESULTS reads them against the HBM roof: each
     # expert's 32-128 rows put a weight byte below the ridge) and ds-v4.1-like T=1 (item 3: 0.90x vLLM in one run)
+    # mixtral at Zipf routing: 0.718 (T=8192) and 0.684 (T=2048) of compute in the thirteenth session's rotation,
+    # against 0.824 / 0.709 at uniform; first profiled in the sixteenth session
+    Case("experts_prefill_t8192_mixtral_zipf", "experts", "mixtral-8x7b", 8192, "TritonExperts() T=8192, Zipf routing",
+         tiny_T=64, dist="zipf"),
+    Case("experts_prefill_t2048_mixtral_zipf", "experts", "mixtral-8x7b", 2048, "TritonExperts() T=2048, Zipf routing",
+         tiny_T=64, dist="zipf"),
     Case("experts_prefill_t2048_qwen3_zipf", "experts", "qwen3-30b-a3b", 2048, "TritonExperts() T=2048, Zipf routing",
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t2048_deepseek_v3_zipf", "experts", "deepseek-v3", 2048,
