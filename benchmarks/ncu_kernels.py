@@ -206,6 +206,9 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts NVFP4 W4A16, T=1 (the GEMV path)"),
     Case("quant_nvfp4_t64_deepseek_v3", "quant", "deepseek-v3-nvfp4", 64,
          "TritonQuantExperts NVFP4 W4A16, T=64 (the MMA path)"),
+    # the GEMV at the other NVFP4 decode T (0.68 / 0.71 / 0.72 of the roof in the sixteenth session)
+    *(Case(f"quant_nvfp4_gemv_t{t}_deepseek_v3", "quant", "deepseek-v3-nvfp4", t,
+           f"TritonQuantExperts NVFP4 W4A16, T={t} (the GEMV path)") for t in (2, 8, 16)),
     Case("quant_fp8_decode_t1_deepseek_v3", "quant", "deepseek-v3", 1,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=1"),
     Case("quant_fp8_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
