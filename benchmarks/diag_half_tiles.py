@@ -12,6 +12,11 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     bi_pers   bi with both GEMMs in the persistent TMA form (same tiles, same bits)
     two_dot   table with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False; the
               default is one [BM, 2BN] dot a K step, moeflow/kernels/moe_gemm_tma.py: FUSED)
+    gather_x  table with the TMA gate_up's activation rows copied into pair order first and read by TMA
+              (experts.triton.GATHER_X = True; moe_gemm_tma.gather_rows_kernel, A_TMA)
+    gather_x_ws_down  gather_x with the Gluon down (WS_DOWN, as ws_down); no_gather_x: GATHER_X = False (the
+              default, None, copies where the rule says: experts.triton.gather_x_rule)
+    gu_pers   table with the gate_up persistent (one program per SM); gu_pers_gather_x: with GATHER_X too
     flat_down table with the down GEMM as one flattened persistent loop over (tile, K step)
               (experts.triton.FLAT_DOWN = True; moe_gemm_tma._down_flat; no half tiles in down)
     heuristic moeflow.tuning.default_config: what a card with no table of its own (and no Hopper
@@ -92,6 +97,11 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
     out["bi_pers"] = dataclasses.replace(bi, gate_up=dataclasses.replace(bi.gate_up, persistent=True),
                                          down=dataclasses.replace(bi.down, persistent=True))
     out["two_dot"] = table
+    out["gather_x"] = table
+    out["no_gather_x"] = table
+    gu_pers = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, persistent=True))
+    out["gu_pers"] = out["gu_pers_gather_x"] = gu_pers
+    out["gather_x_ws_down"] = table
     out["flat_down"] = table
     out["tiled_down"] = table
     for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up", "ws_nopace", "ws_nopace_gate_up",
@@ -121,7 +131,9 @@ def _other_bk(t: GemmTile, block_m: int, b_tiles: int) -> GemmTile:
 WS_GROUPS = (1, 4, 16, 64)
 # variants that are `table` run with module flags of moeflow.experts.triton set (read at launch)
 FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS},
-         "two_dot": {"FUSED_GATE_UP": False}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
+         "two_dot": {"FUSED_GATE_UP": False}, "gather_x": {"GATHER_X": True}, "no_gather_x": {"GATHER_X": False},
+         "gu_pers_gather_x": {"GATHER_X": True},
+         "gather_x_ws_down": {"GATHER_X": True, "WS_DOWN": True}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
          "ws_down": {"WS_DOWN": True}, "ws_gate_up": {"WS_GATE_UP": True},
          "ws": {"WS_DOWN": True, "WS_GATE_UP": True}, "ws_pp": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_COOP": False},
          "ws_pace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": True},

@@ -130,7 +130,7 @@ def _point(c, shape: str, T: int, gate_up, down, key) -> list[dict]:
 
             def fn(out=out, wd=wd, o=o, tiles=tiles, bn=bn, bk=bk, progs=progs):
                 moe_gate_up_tma_kernel[(progs or tiles,)](
-                    x, wd, out, sorted_P, be_B, N, H, I, K, nb, tiles, x.stride(0), out.stride(0), 0.0, 1.0,
+                    x, None, None, wd, out, sorted_P, be_B, N, H, I, K, nb, tiles, x.stride(0), out.stride(0), 0.0, 1.0,
                     ACT=_ACT_CODES["silu"], PERSISTENT=o["pers"], WS=o["ws"], NUM_PROGS=progs or 1,
                     BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=o["gm"], num_warps=o["warps"],
                     num_stages=o["stages"])

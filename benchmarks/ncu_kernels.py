@@ -70,6 +70,9 @@ class Case:
     ws_tile_grid: bool = False
     # fp8_ws cases: the down's tiles claimed at run time (experts.triton_ws.WS_DYNAMIC_TILES)
     ws_dynamic: bool = False
+    # experts cases: experts.triton.GATHER_X for this process (the gate_up's rows copied into pair order and
+    # read by TMA); None: the library's rule
+    gather_x: bool | None = None
 
     @property
     def tiny_shape(self) -> str:
@@ -170,6 +173,13 @@ CASES: tuple[Case, ...] = (
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t2048_mixtral_zipf", "experts", "mixtral-8x7b", 2048, "TritonExperts() T=2048, Zipf routing",
          tiny_T=64, dist="zipf"),
+    # the gate_up's rows copied into pair order and read by TMA (experts.triton.GATHER_X, seventeenth session):
+    # on by the rule at mixtral T=8192 (the case above ran before it, without); forced on at T=2048, where the
+    # pointer-gathered gate_up was L1/L2-bound and the copy gained nothing in time
+    Case("experts_prefill_t8192_mixtral_zipf_gx", "experts", "mixtral-8x7b", 8192,
+         "TritonExperts() T=8192, Zipf routing, GATHER_X on", tiny_T=64, dist="zipf", gather_x=True),
+    Case("experts_prefill_t2048_mixtral_gx", "experts", "mixtral-8x7b", 2048,
+         "TritonExperts() T=2048, GATHER_X on", tiny_T=64, gather_x=True),
     Case("experts_prefill_t2048_qwen3_zipf", "experts", "qwen3-30b-a3b", 2048, "TritonExperts() T=2048, Zipf routing",
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t2048_deepseek_v3_zipf", "experts", "deepseek-v3", 2048,
@@ -286,6 +296,8 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     import moeflow.experts.triton as TE
     from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec
 
+    if case.gather_x is not None:  # one case a process: the flag stays set for it
+        TE.GATHER_X = case.gather_x
     if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
         TE.WS_GATE_UP = TE.WS_DOWN = True
         if case.pace is not None:
@@ -322,7 +334,8 @@ def _setup_experts(case: Case, tiny: bool, dev):
     decode = impl.uses_decode_path(T, K, E, w)
     tiles = (impl.decode_config_for(w, K, T) if decode else impl.tile_config_for(w, K, T)).to_dict()
     info = dict(impl=repr(impl), **a["facts"], path="decode" if decode else "aligned", tiles=tiles,
-                gluon_ws=bool(TE.WS_GATE_UP and TE.WS_DOWN), gluon_ws_pace=bool(TE.WS_PACE))
+                gluon_ws=bool(TE.WS_GATE_UP and TE.WS_DOWN), gluon_ws_pace=bool(TE.WS_PACE),
+                gather_x=None if decode else TE.gather_x_rule(T * K, a["facts"]["I"]))
 
     def fn():
         return impl.forward_tokens(x, ids, wts, w, cfg)

@@ -790,7 +790,15 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
         flats.append(flat)
         return progs, flat
 
+    gathers = []  # each GATHER_X copy of the gate_up's rows
+    orig_gather = TE._gathered_x_descriptors
+
+    def gather(*a):
+        gathers.append(1)
+        return orig_gather(*a)
+
     TE._launch_gate_up_tma, TE._launch_down_tma, TE.tma_gemm_programs = gate_up, down, programs
+    TE._gathered_x_descriptors = gather
     try:
         for name, E, H, I, K, act, layout, il, bias, _woi in FAMILIES:
             if layout != "linear" or il or bias:
@@ -835,10 +843,17 @@ def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
                         assert calls["down"] == before["down"] + 3, f"{name}: the flat down did not take TMA tiles"
                         assert torch.equal(flat, tiled), f"{name} T={T}: flat down != tiled down"
                         assert torch.equal(out, tiled), f"{name} T={T}: the default down != tiled down"
+                    # the gate_up's rows copied into pair order and read by TMA (GATHER_X): the same bits
+                    n_gather = len(gathers)
+                    with mock.patch.object(TE, "GATHER_X", True):
+                        gathered = on.forward_tokens(x, ids, wts, w, cfg)
+                    assert len(gathers) == n_gather + 1, f"{name} T={T}: GATHER_X did not copy the rows"
+                    assert torch.equal(gathered, out), f"{name} T={T} {tiles}: gathered rows (A by TMA) != pointer rows"
                     print(f"{name:13s} T={T:4d} split={split} tma rel-L2 {err:.2e}, vs pointer kernels {d:.1e}")
     finally:
         TE._launch_gate_up_tma, TE._launch_down_tma = orig
         TE.tma_gemm_programs = orig_programs
+        TE._gathered_x_descriptors = orig_gather
 
 
 def check_modes(device: str, dtype: torch.dtype) -> None:
@@ -1091,6 +1106,20 @@ def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
         assert len(calls) == n + 1, f"{name}: the persistent tiles did not take the TMA kernel"
         assert_bitwise_equal(got, TE.TritonExperts(tile_config=tiles, tma=False).forward_tokens(x, ids, wts, w, cfg),
                              what=f"{name}: persistent TMA vs pointer tiles")
+        # the gate_up's rows copied into pair order and read by TMA (GATHER_X), tuned and persistent tiles,
+        # under CUDA-graph capture too: the same bits
+        for T, tile_config in ((100, None), (2048, None), (4096, tiles)):
+            x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T + 1)
+            off = TE.TritonExperts(tile_config=tile_config, tma=False).forward_tokens(x, ids, wts, w, cfg)
+            with mock.patch.object(TE, "GATHER_X", True):
+                on = TE.TritonExperts(tile_config=tile_config, tma=True)
+                assert_bitwise_equal(on.forward_tokens(x, ids, wts, w, cfg), off,
+                                     what=f"{name} T={T}: gathered rows by TMA vs pointer tiles")
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g):
+                    y = on.forward_tokens(x, ids, wts, w, cfg)
+            g.replay()
+            assert_bitwise_equal(y, off, what=f"{name} T={T}: gathered rows by TMA, graph replay")
     finally:
         TE._launch_gate_up_tma = orig
 

@@ -233,7 +233,8 @@ def test_list_and_names():
             "ws_grid_prefill_t8192_deepseek_v3_zipf", "quant_fp8ws_dyn_prefill_t8192_deepseek_v3",
             "quant_nvfp4_gemv_t1_deepseek_v3", "quant_nvfp4_t64_deepseek_v3", "quant_nvfp4_gemv_t2_deepseek_v3",
             "quant_nvfp4_gemv_t8_deepseek_v3", "quant_nvfp4_gemv_t16_deepseek_v3",
-            "experts_prefill_t8192_mixtral_zipf", "experts_prefill_t2048_mixtral_zipf"} == set(names)
+            "experts_prefill_t8192_mixtral_zipf", "experts_prefill_t2048_mixtral_zipf",
+            "experts_prefill_t8192_mixtral_zipf_gx", "experts_prefill_t2048_mixtral_gx"} == set(names)
     out = subprocess.run([sys.executable, str(SCRIPT), "--names"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60).stdout.split()
     assert out == names

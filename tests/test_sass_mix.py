@@ -77,7 +77,7 @@ def _gate_up_loop(fused: bool, fp8: bool):
 
         bm, bn, bk, ty = 128, 128, 64, "bf16"
         types = dict(BF16_GU_TYPES)
-        consts = dict(ACT=0, PERSISTENT=False, WS=False, NUM_PROGS=1, HALF_TAIL=False)
+        consts = dict(ACT=0, PERSISTENT=False, WS=False, NUM_PROGS=1, HALF_TAIL=False, xd=None, xd_half=None)
         div16 = ("H", "I", "stride_xt", "stride_ap")
     types["wd"] = f"tensordesc<{ty}[1,{bn // 8},2,8,{bk}]>" if fused else f"tensordesc<{ty}[{bn},{bk}]>"
     consts.update(BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, PDL=True, FUSED=fused)

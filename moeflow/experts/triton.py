@@ -149,6 +149,21 @@ WS_COOP = True
 # alone with the Triton down to 1.05-1.07x (but 0.90x at Zipf routing, so WS stays off by default).
 WS_PACE = True
 
+# The TMA gate_up's activation rows copied into pair order first (moe_gemm_tma.gather_rows_kernel: x_PH
+# [P, H], zeros at padding) and read by TMA boxes like its weights (A_TMA), instead of gathered by pointer
+# loads in the K loop. The same bits (a padding row is zero either way). Why: ncu at mixtral T = 2048
+# (2026-12-06, seventeenth session) showed the pointer-gathered gate_up L1/L2-bound (L1/L2 76%, tensor
+# pipe 75%, top stall the L1TEX scoreboard) beside a down at 85-89% whose operands both come by TMA.
+# Cost: a read of the routed rows and a write of P x H (P padded pair positions), against gate_up FLOPs of
+# 4 P H I: the copy weighs 1 / I. A/B on the H100 (2026-12-06, benchmarks/diag_half_tiles.py --variants
+# gather_x, results/diag_gather_x_s17_h100.log, uniform / Zipf): mixtral (I = 14336) T = 8192 x1.033 /
+# x1.037, T = 2048 x1.002 / x1.004; deepseek-v3 (I = 2048) T = 8192 x0.968 / x1.011; qwen3 (I = 768)
+# T = 8192 x0.916 / x0.917. None (the default): at I >= GATHER_X_MIN_I and T * K >= GATHER_X_MIN_PAIRS;
+# True / False: always / never (a module flag so the diagnostics can A/B it).
+GATHER_X: bool | None = None
+GATHER_X_MIN_I = 8192
+GATHER_X_MIN_PAIRS = 8192
+
 
 def fused_gate_up_ok(I: int, block_n: int) -> bool:
     """Whether the fused gate_up box serves this shape: 8 | BN (the interleave) and BN | I."""
@@ -563,15 +578,48 @@ def _launch_gate_up_tma(plan: _Plan, x_rows: torch.Tensor, top_k_div: int, w: Ex
     wd = gate_up_descriptor(w.gate_up, t.block_n, t.block_k, fused)
     tiles = plan.max_blocks * (I // t.block_n)
     progs = persistent_programs(t, plan.act_PI.device)
+    xd, xd_half = (_gathered_x_descriptors(plan, x_rows, top_k_div) if gather_x_rule(plan.N, I)
+                   else (None, None))
     moe_gate_up_tma_kernel[(progs or tiles,)](
-        x_rows, wd, plan.act_PI, plan.sorted_P, plan.block_expert_B,
+        x_rows, xd, xd_half, wd, plan.act_PI, plan.sorted_P, plan.block_expert_B,
         plan.N, H, I, top_k_div, plan.max_blocks, tiles, x_rows.stride(0), plan.act_PI.stride(0),
         float(config.swiglu_limit or 0.0), float(config.gptoss_alpha),
         ACT=_ACT_CODES[config.activation], PERSISTENT=progs > 0, WS=False, NUM_PROGS=max(1, progs),
         BLOCK_M=plan.cfg.block_m, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
         HALF_TAIL=plan.cfg.half_tail, num_warps=t.num_warps, num_stages=t.num_stages, PDL=plan.pdl_gemm,
-        FUSED=fused, launch_pdl=plan.pdl,
+        FUSED=fused, A_TMA=xd is not None, launch_pdl=plan.pdl,
     )
+
+
+def gather_x_rule(num_pairs: int, I: int) -> bool:
+    """Whether the TMA gate_up of num_pairs pairs (T * K) at intermediate size I reads its activation rows
+    from a pair-ordered copy (GATHER_X, which says why and when)."""
+    if GATHER_X is not None:
+        return GATHER_X
+    return I >= GATHER_X_MIN_I and num_pairs >= GATHER_X_MIN_PAIRS
+
+
+# columns of x_PH one program of gather_rows_kernel copies (it takes a block's BM rows; H splits over grid
+# axis 1): 128 keeps a BM 128 program at 128 values a thread on 4 warps
+_GATHER_BLOCK_H = 128
+
+
+def _gathered_x_descriptors(plan: _Plan, x_rows: torch.Tensor, top_k_div: int):
+    """(xd, xd_half): x_rows copied into pair order (x_PH [P, H], moe_gemm_tma.gather_rows_kernel) and
+    TensorDescriptors over it with blocks [BM, BK] and [BM/2, BK] (xd_half is xd without half tiles)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    from ..kernels.moe_gemm_tma import gather_rows_kernel
+
+    BM, BK, H = plan.cfg.block_m, plan.cfg.gate_up.block_k, plan.H
+    x_PH = torch.empty(plan.P, H, dtype=x_rows.dtype, device=x_rows.device)
+    gather_rows_kernel[(plan.max_blocks, -(-H // _GATHER_BLOCK_H))](
+        x_rows, x_PH, plan.sorted_P, plan.block_expert_B, plan.N, H, top_k_div, x_rows.stride(0), x_PH.stride(0),
+        BLOCK_M=BM, BLOCK_H=_GATHER_BLOCK_H, num_warps=4, PDL=plan.pdl_gemm, launch_pdl=plan.pdl)
+    xd = TensorDescriptor(x_PH, shape=[plan.P, H], strides=[H, 1], block_shape=[BM, BK])
+    xd_half = (TensorDescriptor(x_PH, shape=[plan.P, H], strides=[H, 1], block_shape=[BM // 2, BK])
+               if plan.cfg.half_tail else xd)
+    return xd, xd_half
 
 
 def _launch_down_tma(plan: _Plan, w: ExpertWeights) -> None:

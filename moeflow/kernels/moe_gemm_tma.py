@@ -9,8 +9,13 @@ the bf16 compute roof.
 Why TMA for the weights only: a weight tile is a dense box of one expert's rows (linear layout
 W [E, N, K], K contiguous: viewed as [E*N, K]), which one TMA instruction copies into shared
 memory without the address registers and LSU issue slots of pointer loads; the activation rows
-of gate_up are gathered by token (Hopper's TMA has no gather), so they stay pointer loads. The
-down GEMM's activation rows are contiguous in act_PI, so both of its operands use TMA.
+of gate_up are gathered by token (Hopper's TMA has no gather), so they stay pointer loads, unless
+A_TMA: then gather_rows_kernel has copied them into pair order first (x_PH, one row a padded pair
+position, zeros at padding) and the gate_up reads [BM, BK] boxes of x_PH by TMA too. Why: at mixtral
+T = 2048 the gate_up with pointer-loaded rows was L1/L2-bound (ncu: L1/L2 76%, tensor pipe 75%, top
+stall the L1TEX scoreboard) while the down, both operands by TMA, ran its tensor pipe at 85-89%; the
+copy costs one read of the rows and one write of P x H. The down GEMM's activation rows are contiguous
+in act_PI, so both of its operands use TMA.
 
 Variants (constexprs): PERSISTENT (one program per SM looping over (block, column-tile) work,
 grouped as moe_gemm._tile_ids orders it; GemmTile.persistent) and WS (Triton's automatic warp
@@ -45,13 +50,41 @@ from .pdl import pdl_trigger, pdl_wait
 
 
 @triton.jit
-def _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
+def gather_rows_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, top_k, stride_xt, stride_sp,
+                       BLOCK_M: tl.constexpr, BLOCK_H: tl.constexpr, PDL: tl.constexpr = 0):
+    """x_PH[p] = x_rows[sorted_P[p] // top_k] for the rows of the used blocks, zeros at padding positions.
+
+    Grid (max_blocks, cdiv(H, BLOCK_H)); a block with no expert (block_expert < 0) is skipped: no GEMM
+    reads it. The A_TMA gate_up then loads x_PH by TMA boxes (module docstring: why); a padding row is
+    zero as the pointer path's masked load makes it, so the products and their bits are the same.
+    """
+    pdl_wait(PDL)
+    pdl_trigger(PDL)
+    pid_m = tl.program_id(0)
+    e = tl.load(block_expert_ptr + pid_m)
+    if e >= 0:
+        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(sorted_ptr + offs_p)
+        row_ok = pair < num_pairs
+        tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+        offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+        h_ok = offs_h < H
+        v = tl.load(x_ptr + tok[:, None] * stride_xt + offs_h[None, :], mask=row_ok[:, None] & h_ok[None, :],
+                    other=0.0)
+        tl.store(xs_ptr + offs_p.to(tl.int64)[:, None] * stride_sp + offs_h[None, :], v, mask=h_ok[None, :])
+
+
+@triton.jit
+def _gate_up_rows(x_ptr, xd, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
                   limit, alpha, ACT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  BLOCK_K: tl.constexpr, WS_K: tl.constexpr, FUSED: tl.constexpr = False):
+                  BLOCK_K: tl.constexpr, WS_K: tl.constexpr, FUSED: tl.constexpr = False,
+                  A_TMA: tl.constexpr = False):
     """act_PI rows p0 .. p0+BM-1 (expert e >= 0), columns pid_n*BN.. of I.
 
     FUSED: one [BM, 2BN] dot per K step over gate and up rows interleaved 8 by 8 (wd: the 5D view
-    of the module docstring, which says why), else a gate dot and an up dot.
+    of the module docstring, which says why), else a gate dot and an up dot. A_TMA: the activation
+    rows from xd, a TensorDescriptor over x_PH [P, H] with block [BM, BK] (gather_rows_kernel's
+    copy), else gathered from x_ptr by pointer loads.
     """
     offs_p = p0 + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_ptr + offs_p)  # sorted_P has all P entries: a load past the used blocks is harmless
@@ -62,7 +95,10 @@ def _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I,
     if FUSED:
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
-            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            if A_TMA:
+                a = xd.load([p0, k0])
+            else:
+                a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
             w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, k0]), (2 * BLOCK_N, BLOCK_K))
             acc = tl.dot(a, w.T, acc)
         g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
@@ -72,7 +108,10 @@ def _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I,
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
-            a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            if A_TMA:
+                a = xd.load([p0, k0])
+            else:
+                a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
             wg = wd.load([row_g, k0])
             wu = wd.load([row_u, k0])
             g = tl.dot(a, wg.T, g)
@@ -98,36 +137,40 @@ def split_gate_up8(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
+def _gate_up_tile(x_ptr, xd, xd_half, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
                   stride_xt, stride_ap, limit, alpha, ACT: tl.constexpr,
                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                  WS_K: tl.constexpr, HALF_TAIL: tl.constexpr, FUSED: tl.constexpr = False):
+                  WS_K: tl.constexpr, HALF_TAIL: tl.constexpr, FUSED: tl.constexpr = False,
+                  A_TMA: tl.constexpr = False):
     """Work tile `tile` in moe_gemm._tile_ids's grouped order; an empty block (expert < 0) does nothing."""
     pid_m, pid_n = _tile_ids(tile, num_m, tl.cdiv(I, BLOCK_N), GROUP_M)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
         p0 = pid_m * BLOCK_M
         if HALF_TAIL and half_padded(sorted_ptr, p0, num_pairs, BLOCK_M):
-            _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
-                          limit, alpha, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, WS_K, FUSED)
+            _gate_up_rows(x_ptr, xd_half, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt,
+                          stride_ap, limit, alpha, ACT, BLOCK_M // 2, BLOCK_N, BLOCK_K, WS_K, FUSED, A_TMA)
         else:
-            _gate_up_rows(x_ptr, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt, stride_ap,
-                          limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, WS_K, FUSED)
+            _gate_up_rows(x_ptr, xd, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, top_k, stride_xt,
+                          stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, WS_K, FUSED, A_TMA)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
 def moe_gate_up_tma_kernel(
-    x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr,
+    x_ptr, xd, xd_half, wd, act_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, H, I, top_k, num_m, num_tiles,
     stride_xt, stride_ap, limit, alpha,
     ACT: tl.constexpr, PERSISTENT: tl.constexpr, WS: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     HALF_TAIL: tl.constexpr = False, PDL: tl.constexpr = False, FUSED: tl.constexpr = False,
+    A_TMA: tl.constexpr = False,
 ):
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm.moe_gate_up_kernel.
 
     wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the 5D view
     [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
+    A_TMA: xd / xd_half TensorDescriptors over x_PH [P, H] (gather_rows_kernel) with blocks [BM, BK] /
+    [BM/2, BK] (the half tiles'; xd when HALF_TAIL is off); else None and the rows come from x_ptr.
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
     HALF_TAIL and PDL as moe_gemm.moe_gate_up_kernel.
     """
@@ -135,13 +178,13 @@ def moe_gate_up_tma_kernel(
     pdl_trigger(PDL)
     if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS, warp_specialize=WS):
-            _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k, num_m,
-                          stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False,
-                          HALF_TAIL, FUSED)
+            _gate_up_tile(x_ptr, xd, xd_half, wd, act_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, top_k,
+                          num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, False,
+                          HALF_TAIL, FUSED, A_TMA)
     else:
-        _gate_up_tile(x_ptr, wd, act_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H, I, top_k,
-                      num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS,
-                      HALF_TAIL, FUSED)
+        _gate_up_tile(x_ptr, xd, xd_half, wd, act_ptr, sorted_ptr, block_expert_ptr, tl.program_id(0), num_pairs, H,
+                      I, top_k, num_m, stride_xt, stride_ap, limit, alpha, ACT, BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, WS,
+                      HALF_TAIL, FUSED, A_TMA)
 
 
 @triton.jit
