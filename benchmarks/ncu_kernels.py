@@ -79,7 +79,7 @@ class Case:
         if self.kind == "quant":
             if self.shape.endswith("-nvfp4"):
                 return "tiny-nvfp4"
-            return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8") else "tiny-mxfp4"
+            return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8", "qwen3-235b-a22b-fp8") else "tiny-mxfp4"
         if self.kind in ("experts", "experts_ws", "gmm"):
             return "tiny-gptoss" if self.shape == "gpt-oss-120b" else "tiny-silu"
         return self.shape  # router: the real spec and E, H cut down (see _router_inputs)
@@ -216,9 +216,9 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts NVFP4 W4A16, T=1 (the GEMV path)"),
     Case("quant_nvfp4_t64_deepseek_v3", "quant", "deepseek-v3-nvfp4", 64,
          "TritonQuantExperts NVFP4 W4A16, T=64 (the MMA path)"),
-    # the GEMV at the other NVFP4 decode T (0.68 / 0.71 / 0.72 of the roof in the sixteenth session)
+    # the GEMV at the other NVFP4 decode T (0.68 / 0.74 / 0.71 / 0.72 of the roof in the sixteenth session)
     *(Case(f"quant_nvfp4_gemv_t{t}_deepseek_v3", "quant", "deepseek-v3-nvfp4", t,
-           f"TritonQuantExperts NVFP4 W4A16, T={t} (the GEMV path)") for t in (2, 8, 16)),
+           f"TritonQuantExperts NVFP4 W4A16, T={t} (the GEMV path)") for t in (2, 8, 16, 4)),
     Case("quant_fp8_decode_t1_deepseek_v3", "quant", "deepseek-v3", 1,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=1"),
     Case("quant_fp8_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
@@ -227,6 +227,8 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=2 (issue 15: 0.81 of the HBM roof)"),
     Case("quant_fp8_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3 (issue 15: 1.17x our bf16)", tiny_T=64),
+    Case("quant_fp8_prefill_t8192_qwen3_235b", "quant", "qwen3-235b-a22b-fp8", 8192,
+         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3-235b (issue 15: 1.22x our bf16)", tiny_T=64),
     # the same two through the Gluon warp-specialised fp8 GEMMs (same bits; on the H100 2026-12-06 no faster:
     # deepseek-v3 T=8192 11.6 ms against 9.4 with the Gluon gate_up, 27 GB read from DRAM against 11)
     Case("quant_fp8ws_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
