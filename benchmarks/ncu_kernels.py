@@ -70,6 +70,9 @@ class Case:
     ws_tile_grid: bool = False
     # fp8_ws cases: the down's tiles claimed at run time (experts.triton_ws.WS_DYNAMIC_TILES)
     ws_dynamic: bool = False
+    # quant cases: the fp8 GEMMs by the Triton kernels only (experts.triton_quant.FP8_WS_GATE_UP = False, where
+    # the rule would take the Gluon gate_up from H >= 4096)
+    fp8_triton: bool = False
     # experts cases: experts.triton.GATHER_X for this process (the gate_up's rows copied into pair order and
     # read by TMA); None: the library's rule
     gather_x: bool | None = None
@@ -229,6 +232,11 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3 (issue 15: 1.17x our bf16)", tiny_T=64),
     Case("quant_fp8_prefill_t8192_qwen3_235b", "quant", "qwen3-235b-a22b-fp8", 8192,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3-235b (issue 15: 1.22x our bf16)", tiny_T=64),
+    # the same with the Triton fp8 gate_up (level with the Gluon one there, x1.209 against x1.219, fifteenth
+    # session): under ncu's kernel replay the Gluon gate_up at this shape never finished (H100, seventeenth session)
+    Case("quant_fp8tri_prefill_t8192_qwen3_235b", "quant", "qwen3-235b-a22b-fp8", 8192,
+         "TritonQuantExperts(fp8=True), Triton fp8 GEMMs only (FP8_WS_GATE_UP off), T=8192, qwen3-235b", tiny_T=64,
+         fp8_triton=True),
     # the same two through the Gluon warp-specialised fp8 GEMMs (same bits; on the H100 2026-12-06 no faster:
     # deepseek-v3 T=8192 11.6 ms against 9.4 with the Gluon gate_up, 27 GB read from DRAM against 11)
     Case("quant_fp8ws_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
@@ -381,6 +389,9 @@ def _setup_quant(case: Case, tiny: bool, dev):
         TQ.FP8_WS_DOWN = TQ.FP8_WS_GATE_UP = True
         TW.WS_TILE_GRID = case.ws_tile_grid
         TW.WS_DYNAMIC_TILES = case.ws_dynamic
+    if case.fp8_triton:
+        import moeflow.experts.triton_quant as TQ
+        TQ.FP8_WS_GATE_UP = False
     impl = TritonQuantExperts(allow_cpu=tiny, fp8=True)
     n_distinct = int(torch.unique(ids).numel())
     info = dict(impl=repr(impl), shape=name, fmt=spec["fmt"], T=T, E=E, K=K, H=H, I=I, dtype=str(act_dtype),

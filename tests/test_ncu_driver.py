@@ -235,7 +235,8 @@ def test_list_and_names():
             "quant_nvfp4_gemv_t8_deepseek_v3", "quant_nvfp4_gemv_t16_deepseek_v3",
             "experts_prefill_t8192_mixtral_zipf", "experts_prefill_t2048_mixtral_zipf",
             "experts_prefill_t8192_mixtral_zipf_gx", "experts_prefill_t2048_mixtral_gx",
-            "quant_nvfp4_gemv_t4_deepseek_v3", "quant_fp8_prefill_t8192_qwen3_235b"} == set(names)
+            "quant_nvfp4_gemv_t4_deepseek_v3", "quant_fp8_prefill_t8192_qwen3_235b",
+            "quant_fp8tri_prefill_t8192_qwen3_235b"} == set(names)
     out = subprocess.run([sys.executable, str(SCRIPT), "--names"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60).stdout.split()
     assert out == names
