@@ -154,8 +154,8 @@ WS_PACE = True
 # loads in the K loop. The same bits (a padding row is zero either way). Why: ncu at mixtral T = 2048
 # (2026-12-06, seventeenth session) showed the pointer-gathered gate_up L1/L2-bound (L1/L2 76%, tensor
 # pipe 75%, top stall the L1TEX scoreboard) beside a down at 85-89% whose operands both come by TMA.
-# Cost: a read of the routed rows and a write of P x H (P padded pair positions), against gate_up FLOPs of
-# 4 P H I: the copy weighs 1 / I. A/B on the H100 (2026-12-06, benchmarks/diag_half_tiles.py --variants
+# Cost: a read of the routed rows and a write of P x H (P padded pair positions; the buffer lives for the
+# call: 142 MB at mixtral T = 8192), against gate_up FLOPs of 4 P H I: the copy weighs 1 / I. A/B on the H100 (2026-12-06, benchmarks/diag_half_tiles.py --variants
 # gather_x, results/diag_gather_x_s17_h100.log, uniform / Zipf): mixtral (I = 14336) T = 8192 x1.033 /
 # x1.037, T = 2048 x1.002 / x1.004; deepseek-v3 (I = 2048) T = 8192 x0.968 / x1.011; qwen3 (I = 768)
 # T = 8192 x0.916 / x0.917. None (the default): at I >= GATHER_X_MIN_I and T * K >= GATHER_X_MIN_PAIRS;
