@@ -417,6 +417,10 @@ print("FAKE-NCU-ARGS", " ".join(args[:i]), flush=True)
 if "--metrics" in args[:i] and os.environ.get("FAKE_NCU_REFUSE_METRICS"):
     print("==ERROR== Failed to find metric sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
     sys.exit(1)
+if os.environ.get("FAKE_NCU_HANG_WITH_PDL") and os.environ.get("MOEFLOW_PDL", "1") != "0":
+    import time
+    print("==PROF== Profiling (a kernel that never finishes)", flush=True)
+    time.sleep(600)
 rc = subprocess.call(args[i:])
 sys.stdout.write(open({sample!r}).read())
 sys.exit(rc)
@@ -466,3 +470,18 @@ def test_profile_script_with_stand_in_ncu(tmp_path):
     txt = (out2 / "ncu_router_fused_t1_qwen3.txt").read_text()
     assert "--metrics" not in txt and "PASS router_fused_t1_qwen3" in txt
     assert (out2 / "ncu_runs.tsv").read_text().splitlines()[1].split("\t")[:2] == ["router_fused_t1_qwen3", "0"]
+
+    # an ncu run that never finishes with PDL on: kept aside, the case profiled again with MOEFLOW_PDL=0
+    out3 = tmp_path / "out3"
+    env.pop("FAKE_NCU_REFUSE_METRICS")
+    env.update(FAKE_NCU_HANG_WITH_PDL="1", NCU_CASE_TIMEOUT="20")
+    proc = subprocess.run(["bash", "benchmarks/ncu_profile.sh", str(out3), "router_fused_t1_qwen3"],
+                          cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert "timed out with PDL on: profiling it again with MOEFLOW_PDL=0" in proc.stderr
+    assert "never finishes" in (out3 / "pdl_timeout_router_fused_t1_qwen3.txt").read_text()
+    assert "PASS router_fused_t1_qwen3" in (out3 / "ncu_router_fused_t1_qwen3.txt").read_text()
+    row = (out3 / "ncu_runs.tsv").read_text().splitlines()[1].split("\t")
+    assert row[:2] == ["router_fused_t1_qwen3", "0"] and row[3] == "timed out with PDL on; profiled with MOEFLOW_PDL=0"
+    assert "pdl_timeout" not in (out3 / "ncu_summary.md").read_text()  # the kept report is no case
+
