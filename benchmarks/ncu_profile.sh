@@ -134,11 +134,11 @@ for c in "${CASES[@]}"; do
   fi
   pdl_note=""
   if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ "${MOEFLOW_PDL:-1}" != "0" ]; then
-    # A case that never finished with programmatic dependent launch on gets one more try with it off:
-    # the Gluon fp8 gate_up at qwen3-235b T=8192 never finished under ncu's kernel replay with PDL on (H100,
-    # 2026-12-06), yet profiled normally with MOEFLOW_PDL=0 and ran 300 forwards outside ncu. PDL changes
-    # when a kernel may start, not what it computes, so the per-kernel sections stay comparable; the note
-    # and the kept report (pdl_timeout_CASE.txt, a name the summary does not read as a case) say so.
+    # A case that timed out gets one more try, with programmatic dependent launch off: under ncu's kernel
+    # replay the Gluon fp8 gate_up at qwen3-235b T=8192 hung in 2 of 10 runs with PDL on (H100, 2026-12-06;
+    # never outside ncu, 2000 forwards), and the retry with MOEFLOW_PDL=0 profiled it. PDL changes when a
+    # kernel may start, not what it computes, so the per-kernel sections stay comparable; the note and the
+    # kept report (pdl_timeout_CASE.txt, a name the summary does not read as a case) say so.
     left=$((BUDGET - ($(date +%s) - START)))
     if [ "$left" -lt "$to" ]; then to=$left; fi
     if [ "$to" -ge 15 ]; then
