@@ -152,7 +152,7 @@ for c in "${CASES[@]}"; do
   wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
   note=$pdl_note
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    note="timeout after ${to}s${pdl_note:+ ($pdl_note)}"
+    note="timeout after ${to}s${pdl_note:+, with PDL on and again with MOEFLOW_PDL=0}"
   elif grep -q "No kernels were profiled" "$OUT/ncu_$c.txt"; then
     note="no kernels profiled"
   elif [ "$rc" -ne 0 ]; then
