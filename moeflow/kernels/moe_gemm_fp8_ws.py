@@ -161,6 +161,21 @@ def _fp8_ws_down_load_worker(ad, wd, a_bufs, b_bufs, ready, empty, as_ptr, ws_pt
 
 
 @gluon.jit
+def _fp8_down_ring(ad, wd, STAGES: gl.constexpr):
+    """(a_bufs, b_bufs): the fp8 down's ring in shared memory, STAGES act boxes [64, BK] (ad's block) and weight
+    boxes [2BN, BK] (wd's block), after the checks both down kernels (static and dynamic tiles) need of them."""
+    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles")
+    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
+    BOX_N: gl.constexpr = wd.block_type.shape[0]
+    gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
+    gl.static_assert(BOX_N <= 256 and BOX_N % 32 == 0, "two consumers' columns, each's sum and product in registers")
+    gl.static_assert(BLOCK_K % 32 == 0, "fp8 wgmma steps of k32")
+    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
+    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BOX_N, BLOCK_K], wd.layout)
+    return a_bufs, b_bufs
+
+
+@gluon.jit
 def moe_down_fp8_ws_kernel(ad, wd, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, sbn,
                            stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, NUM_PROGS: gl.constexpr,
                            GROUP_M: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
@@ -172,14 +187,7 @@ def moe_down_fp8_ws_kernel(ad, wd, as_ptr, ws_ptr, y_ptr, sorted_ptr, block_expe
     (NUM_PROGS,), num_warps = CONSUMER_WARPS (the default partition).
     """
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles")
-    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
-    BOX_N: gl.constexpr = wd.block_type.shape[0]
-    gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
-    gl.static_assert(BOX_N <= 256 and BOX_N % 32 == 0, "two consumers' columns, each's sum and product in registers")
-    gl.static_assert(BLOCK_K % 32 == 0, "fp8 wgmma steps of k32")
-    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
-    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BOX_N, BLOCK_K], wd.layout)
+    a_bufs, b_bufs = _fp8_down_ring(ad, wd, STAGES)
     ready, empty, order = _ws_init_barriers(STAGES, 1, 2)  # no turns: order stays unused
     used = _ws_used_blocks(block_expert_ptr, num_m, num_warps)
     gl.warp_specialize([
@@ -516,13 +524,7 @@ def moe_down_fp8_ws_dyn_kernel(ad, wd, counter_ptr, as_ptr, ws_ptr, y_ptr, sorte
     """moe_down_fp8_ws_kernel with tiles claimed at run time (counter_ptr: int32 [1], zero at launch); the same
     arguments otherwise, and the same bits. Grid: one CTA an SM (any number works)."""
     gl.static_assert(num_warps == CONSUMER_WARPS, "the default partition is one consumer warp group")
-    gl.static_assert(ad.block_type.shape[0] == TILE_M, "64-row tiles")
-    BLOCK_K: gl.constexpr = ad.block_type.shape[1]
-    BOX_N: gl.constexpr = wd.block_type.shape[0]
-    gl.static_assert(wd.block_type.shape[1] == BLOCK_K, "act and weight boxes share BK")
-    gl.static_assert(BOX_N <= 256 and BOX_N % 32 == 0, "two consumers' columns, each's sum and product in registers")
-    a_bufs = gl.allocate_shared_memory(ad.dtype, [STAGES, TILE_M, BLOCK_K], ad.layout)
-    b_bufs = gl.allocate_shared_memory(wd.dtype, [STAGES, BOX_N, BLOCK_K], wd.layout)
+    a_bufs, b_bufs = _fp8_down_ring(ad, wd, STAGES)
     tids = gl.allocate_shared_memory(gl.int32, [TID_SLOTS, 1], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
     tid_ready = gl.allocate_shared_memory(gl.int64, [TID_SLOTS, 1], mbarrier.MBarrierLayout())
     tid_empty = gl.allocate_shared_memory(gl.int64, [TID_SLOTS, 1], mbarrier.MBarrierLayout())
