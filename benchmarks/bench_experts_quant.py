@@ -69,35 +69,28 @@ from benchmarks.common import (  # noqa: E402
     time_cuda_graph,
     time_cuda_graphs_interleaved,
 )
-from benchmarks.tune_experts import patch_interpreter_index, routing  # noqa: E402
+from benchmarks.tune_experts import FAMILY, patch_interpreter_index, routing  # noqa: E402
 from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
 from moeflow.routing.spec import RouterSpec  # noqa: E402
 
+# the families' activation and layout fields (benchmarks/tune_experts.FAMILY): one place for them
+_SILU_LINEAR = FAMILY["deepseek-v3"]
+_GPTOSS = FAMILY["gpt-oss-120b"]
 SHAPES = {
-    "deepseek-v3": dict(H=7168, I=2048, E=256, K=8, fmt="fp8", activation="silu", layout="linear",
-                        interleaved=False, bias=False, limit=None),
+    "deepseek-v3": dict(H=7168, I=2048, E=256, K=8, fmt="fp8", **_SILU_LINEAR),
     # Qwen3-30B-A3B-FP8 (128 x 128 blocks): small experts, the other FP8 prefill shape of issue 16's set
-    "qwen3-30b-a3b-fp8": dict(H=2048, I=768, E=128, K=8, fmt="fp8", activation="silu", layout="linear",
-                              interleaved=False, bias=False, limit=None),
+    "qwen3-30b-a3b-fp8": dict(H=2048, I=768, E=128, K=8, fmt="fp8", **_SILU_LINEAR),
     # Qwen3-235B-A22B-FP8 and GLM-4.5-FP8: the FP8 shapes between those two in H (FP8_WS_GATE_UP's rule)
-    "qwen3-235b-a22b-fp8": dict(H=4096, I=1536, E=128, K=8, fmt="fp8", activation="silu", layout="linear",
-                                interleaved=False, bias=False, limit=None),
-    "glm-4.5-fp8": dict(H=5120, I=1536, E=160, K=8, fmt="fp8", activation="silu", layout="linear",
-                        interleaved=False, bias=False, limit=None),
+    "qwen3-235b-a22b-fp8": dict(H=4096, I=1536, E=128, K=8, fmt="fp8", **_SILU_LINEAR),
+    "glm-4.5-fp8": dict(H=5120, I=1536, E=160, K=8, fmt="fp8", **_SILU_LINEAR),
     # NVIDIA's NVFP4 (ModelOpt) checkpoints: DeepSeek-R1-FP4 (deepseek-v3's layer) and Qwen3-30B-A3B-FP4
-    "deepseek-v3-nvfp4": dict(H=7168, I=2048, E=256, K=8, fmt="nvfp4", activation="silu", layout="linear",
-                              interleaved=False, bias=False, limit=None),
-    "qwen3-30b-a3b-nvfp4": dict(H=2048, I=768, E=128, K=8, fmt="nvfp4", activation="silu", layout="linear",
-                                interleaved=False, bias=False, limit=None),
-    "gpt-oss-120b": dict(H=2880, I=2880, E=128, K=4, fmt="mxfp4", activation="gptoss", layout="matmul",
-                         interleaved=True, bias=True, limit=7.0),
+    "deepseek-v3-nvfp4": dict(H=7168, I=2048, E=256, K=8, fmt="nvfp4", **_SILU_LINEAR),
+    "qwen3-30b-a3b-nvfp4": dict(H=2048, I=768, E=128, K=8, fmt="nvfp4", **_SILU_LINEAR),
+    "gpt-oss-120b": dict(H=2880, I=2880, E=128, K=4, fmt="mxfp4", **_GPTOSS),
     # --dry-run (CPU, Triton interpreter)
-    "tiny-fp8": dict(H=256, I=128, E=8, K=2, fmt="fp8", activation="silu", layout="linear", interleaved=False,
-                     bias=False, limit=None),
-    "tiny-nvfp4": dict(H=128, I=96, E=6, K=2, fmt="nvfp4", activation="silu", layout="linear", interleaved=False,
-                       bias=False, limit=None),
-    "tiny-mxfp4": dict(H=128, I=96, E=6, K=2, fmt="mxfp4", activation="gptoss", layout="matmul",
-                       interleaved=True, bias=True, limit=7.0),
+    "tiny-fp8": dict(H=256, I=128, E=8, K=2, fmt="fp8", **_SILU_LINEAR),
+    "tiny-nvfp4": dict(H=128, I=96, E=6, K=2, fmt="nvfp4", **_SILU_LINEAR),
+    "tiny-mxfp4": dict(H=128, I=96, E=6, K=2, fmt="mxfp4", **_GPTOSS),
 }
 DECODE_TOKENS = (1, 2, 4, 8, 16, 32, 64)
 PREFILL_TOKENS = (8192,)
