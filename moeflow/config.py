@@ -24,7 +24,9 @@ from typing import ClassVar
 import torch
 
 from .quant.spec import QuantSpec
+from .quant.storage import check_quantized, dequantized_tensors
 from .routing.spec import RouterSpec
+from .weight_checks import check_expert_biases
 
 ACTIVATIONS: tuple[str, ...] = ("silu", "gelu_tanh", "swiglu_clamp", "gptoss")
 LAYOUTS: tuple[str, ...] = ("linear", "matmul")
@@ -117,20 +119,6 @@ class MoEConfig:
         return self.router.top_k
 
 
-def check_expert_biases(w: ExpertWeights, E: int, H: int, I: int) -> None:
-    """TypeError/ValueError naming the bias of `w` that is not a floating [E, 2I] / [E, H] tensor (or None)."""
-    for name, want in (("gate_up_bias", (E, 2 * I)), ("down_bias", (E, H))):
-        b = getattr(w, name)
-        if b is None:
-            continue
-        if not isinstance(b, torch.Tensor):
-            raise TypeError(f"ExpertWeights.{name}: expected a torch.Tensor or None, got {type(b).__name__}")
-        if tuple(b.shape) != want:
-            raise ValueError(f"ExpertWeights.{name}: shape {tuple(b.shape)}, expected {want}")
-        if not b.dtype.is_floating_point:
-            raise TypeError(f"ExpertWeights.{name}: dtype {b.dtype}, expected a floating dtype")
-
-
 # eq=False: tensors have no boolean ==; two holders are equal only if they are the same object.
 @dataclass(frozen=True, eq=False)
 class ExpertWeights:
@@ -147,7 +135,7 @@ class ExpertWeights:
     All tensors share one floating dtype and one device. E counts the experts held
     here: after `subset` (expert parallelism) it is the local count, not the model's.
 
-    Quantized experts (`quant` a moeflow.quant.QuantSpec; table in moeflow.quant.experts):
+    Quantized experts (`quant` a moeflow.quant.QuantSpec; table in moeflow.quant.storage):
     gate_up / down then hold the stored quantized data as checkpoints do, [E, 2I, H/P] and
     [E, H, I/P] ([E, out, in], P = 2 packed FP4 values a byte, 1 for FP8) whatever the
     layout, which names the form `dequantize(dtype)` returns. `dtype` is then the storage
@@ -187,9 +175,7 @@ class ExpertWeights:
         if not isinstance(self.interleaved, bool):
             raise TypeError(f"ExpertWeights.interleaved={self.interleaved!r}: expected a bool")
         if self.quant is not None or any(getattr(self, n) is not None for n in self.TENSOR_FIELDS[4:]):
-            # Quantized storage has its own shape and dtype rules (one place: moeflow.quant.experts).
-            from .quant.experts import check_quantized
-
+            # Quantized storage has its own shape and dtype rules (one place: moeflow.quant.storage).
             object.__setattr__(self, "_sizes", check_quantized(self))
             return
         for name in ("gate_up", "down"):
@@ -282,9 +268,7 @@ class ExpertWeights:
         numerical contract per format is in moeflow.quant.formats.
         """
         if self.quant is not None:
-            from .quant.experts import dequantize_experts
-
-            return dequantize_experts(self, dtype)
+            return ExpertWeights(*dequantized_tensors(self, dtype), layout=self.layout, interleaved=self.interleaved)
         names = ("gate_up", "down", "gate_up_bias", "down_bias")
         if all(getattr(self, n) is None or getattr(self, n).dtype == dtype for n in names):
             return self

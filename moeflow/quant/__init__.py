@@ -3,11 +3,13 @@
     spec.py        QuantSpec, quant_spec_from_hf (config.json `quantization_config` -> spec)
     formats.py     per-tensor codecs: exact torch dequantizers, our round-to-nearest quantizers,
                    the FP8 dynamic activation quantizer the kernels follow, scale checks
-    experts.py     quantized ExpertWeights: shape rules, dequantize / quantize, scale checks
+    storage.py     the storage rules of a quantized ExpertWeights (shapes, dtypes) and its
+                   stored tensors dequantized to moeflow's layout; below moeflow.config
+    experts.py     quantized ExpertWeights: dequantize / quantize, scale value checks
     checkpoint.py  scale-key rules and reads for moeflow.checkpoint.loader
     hf.py          experts_from_hf_module: a transformers FP8 / MXFP4 experts module's tensors
 
-Names resolve lazily (moeflow.config imports the spec; nothing heavier is loaded).
+Names resolve lazily (moeflow.config imports the spec and the storage rules; nothing heavier is loaded).
 """
 
 from __future__ import annotations
