@@ -5,8 +5,9 @@
     ...
     print(runtime.stats().snapshot())
 
-Modules: config (OffloadConfig), store (ExpertStore), cache (SlotTable, ExpertCache),
-policy (LRU, RandomOldest, Predictive, Belady), prefetch (Prefetcher), attach
+Modules: config (OffloadConfig), store (ExpertStore), slots (SlotTable, CacheStats: the
+bookkeeping), cache (ExpertCache: the device slots), policy (LRU, RandomOldest, Predictive,
+Belady), prefetch (Prefetcher), attach
 (attach_offload, OffloadRuntime, OffloadedExperts: the offload expert source), trace (record /
 replay / stats; the `moeflow trace` command is moeflow.cli_trace).
 Names are imported lazily so `import moeflow.offload` stays light.
@@ -20,8 +21,8 @@ _EXPORTS = {
     "OffloadConfig": "moeflow.offload.config",
     "ExpertStore": "moeflow.offload.store",
     "ExpertCache": "moeflow.offload.cache",
-    "SlotTable": "moeflow.offload.cache",
-    "CacheStats": "moeflow.offload.cache",
+    "SlotTable": "moeflow.offload.slots",
+    "CacheStats": "moeflow.offload.slots",
     "Prefetcher": "moeflow.offload.prefetch",
     "attach_offload": "moeflow.offload.attach",
     "OffloadRuntime": "moeflow.offload.attach",

@@ -76,8 +76,9 @@ from .cpu_experts import (
     host_expert_weights,
     measure_bandwidths,
 )
-from .policy import Key, make_policy
+from .policy import make_policy
 from .prefetch import Prefetcher
+from .slots import Key
 from .store import ExpertStore, available_host_bytes
 
 # "auto" pins a host copy only when it leaves this much of the available memory free

@@ -48,7 +48,7 @@ with an event) for this or a later refill, then:
     a. copies issued by an earlier refill whose ready event has completed (event.query())
        become resident: their lut entries are set (phase B);
     b. log snapshots whose D2H event has completed are fed, layer by layer, to the SlotTable
-       and its eviction policy (moeflow.offload.cache / policy), as the synchronous path
+       and its eviction policy (moeflow.offload.slots / policy), as the synchronous path
        feeds them; each load evicts a slot: the evicted key's lut entry is cleared (phase A);
     c. the lut goes to the device on the current stream (one non_blocking copy from a pinned
        mirror), then an event marks the stream and the loads are copied on the copy stream
@@ -76,8 +76,8 @@ from ..config import ExpertWeights
 from ..experts.base import tiled_as
 from ..experts.source import scaled_rows
 from ..types import TokenBatch
-from .cache import CudaCopyEngine, ExpertCache, HostCopyEngine, SlotTable
-from .policy import Key
+from .cache import CudaCopyEngine, ExpertCache, HostCopyEngine
+from .slots import Key, SlotTable
 from .store import packed_views
 
 __all__ = ["GraphStats", "SyncFreeOffload", "remap_torch", "stage_torch"]

@@ -2,7 +2,7 @@
 
 Legend: S slots, a key is (layer, expert).
 
-A policy only chooses; the `SlotTable` (moeflow/offload/cache.py) owns the
+A policy only chooses; the `SlotTable` (moeflow/offload/slots.py) owns the
 state. The table hands a policy its unpinned candidates oldest-first (slots
 whose experts the current step uses are pinned and never offered), so a
 policy cannot evict a pinned slot even by mistake. `for_prefetch=True` means
@@ -35,22 +35,8 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Protocol
 
-if TYPE_CHECKING:
-    from .cache import SlotTable
-
-Key = tuple[int, int]
-
-
-class EvictionPolicy(Protocol):
-    """Chooses the slot to evict; state lives in the SlotTable."""
-
-    name: str
-
-    def victim(self, table: SlotTable, *, for_prefetch: bool) -> int | None:
-        """A slot among `table.candidates(...)`, or None (no candidate / skip a prefetch)."""
-        ...
+from .slots import EvictionPolicy, Key, SlotTable
 
 
 class LRU:
@@ -224,8 +210,6 @@ class Adaptive:
         self.duel_picks = [0, 0]  # steps that followed each ghost
         self._follow_lru = False
         if duel:
-            from .cache import SlotTable  # cache.py imports this module: import at use
-
             # the ghosts hold keys only (expert_bytes 0); the hit-density ghost is the learner
             self._ghosts = (SlotTable(num_slots, LRU(), 0),
                             SlotTable(num_slots, Adaptive(num_slots, max_age=max_age, decay=decay, buckets=buckets,
@@ -450,8 +434,6 @@ class AdaptiveLong(Adaptive):
         self.tie_weight = tie_weight
         self.duel = duel
         if duel:  # as Adaptive's, but the hit-density ghost (the learner) is an AdaptiveLong too
-            from .cache import SlotTable
-
             self._ghosts = (SlotTable(num_slots, LRU(), 0),
                             SlotTable(num_slots, AdaptiveLong(num_slots, decay=decay, buckets=buckets,
                                                               tie_weight=tie_weight, duel=False, **kwargs), 0))

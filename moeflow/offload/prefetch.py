@@ -23,7 +23,7 @@ import torch
 
 from ..routing.predict import predict_next_ids
 from ..routing.router import router_input
-from .policy import Key
+from .slots import Key
 
 
 class Prefetcher:

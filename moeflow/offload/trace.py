@@ -44,8 +44,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .cache import CacheRates, SlotTable
-from .policy import POLICIES, PREDICTIVE_POLICIES, Belady, Key, make_policy
+from .policy import POLICIES, PREDICTIVE_POLICIES, Belady, make_policy
+from .slots import CacheRates, Key, SlotTable
 
 TRACE_VERSION = 1
 REPLAY_POLICIES = (*POLICIES, "belady")
