@@ -34,7 +34,7 @@ computed, copied back and written into their rows of y: combine then sums every 
 slot order, as it does for the resident model. A fused TokenBatch is run as pairs in such
 a step (the local dispatch, then combine_TH). Counters: `cpu_stats()`.
 
-Sync-free decode (OffloadConfig.sync_free, moeflow.offload.graph): the step reads nothing
+Sync-free decode (OffloadConfig.sync_free, moeflow.offload.syncfree): the step reads nothing
 back: a device (layer, expert) -> slot table, a kernel that stages the misses from pinned host
 memory into spare slots of the same pool and remaps the ids, and a cache refill that lags a
 step (`refill()`: eager steps call it; call it between CUDA-graph replays). Counters:
@@ -145,7 +145,7 @@ class OffloadRuntime:
         self.lock = threading.RLock()
         self.graph = None
         if config.sync_free:
-            from .graph import SyncFreeOffload
+            from .syncfree import SyncFreeOffload
 
             self.graph = SyncFreeOffload(self, policy)  # its cache's slots are the first rows of its pool
             self.cache = self.graph.cache
@@ -518,7 +518,7 @@ def _check_sync_free(layers: list, config: OffloadConfig) -> None:
             raise ValueError(f"OffloadConfig.sync_free=True: layers[{i}] (layer_idx={layer.layer_idx}) is expert-"
                              f"parallel ({type(layer.dispatcher).__name__}); expected single-device layers")
     if config.policy == "lru":
-        # device admission takes one step's distinct experts into the cache at once (moeflow.offload.graph)
+        # device admission takes one step's distinct experts into the cache at once (moeflow.offload.syncfree)
         need = max(min(layer.config.num_experts, config.sync_free_tokens * layer.config.top_k) for layer in layers)
         if config.gpu_slots < need:
             raise ValueError(

@@ -84,7 +84,7 @@ class OffloadConfig:
                     llama.cpp --n-cpu-moe-like runs). Unquantized experts only. Numerical
                     contract: docs/offload.md, "CPU execution of missed experts".
     sync_free:      decode with no host sync per layer step, capturable in a CUDA graph
-                    (moeflow.offload.graph): a device table maps (layer, expert) -> slot. With
+                    (moeflow.offload.syncfree): a device table maps (layer, expert) -> slot. With
                     policy "lru" a kernel admits the step's missing experts on the device (least
                     recently used slots) and copies them from pinned host memory straight into
                     their slots (needs gpu_slots >= min(E, sync_free_tokens * K)); with

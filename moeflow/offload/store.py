@@ -17,7 +17,7 @@ Modes:
             cache is the host tier. For host memory shorter than the experts.
     model   the model's own tensors, no copy (CPU tests, or when they are already pinned).
 
-Packed layout (`from_weights(..., packed=True)`, the sync-free decode of moeflow.offload.graph):
+Packed layout (`from_weights(..., packed=True)`, the sync-free decode of moeflow.offload.syncfree):
 each layer's experts live in ONE host buffer uint8 [E, B]; row e holds expert e's tensors
 back to back (each at a 16-byte aligned offset, B a multiple of 16), and the per-name
 tensors are strided views into it. A device kernel then moves an expert as one row of

@@ -1,4 +1,4 @@
-"""Sync-free offloaded decode (OffloadConfig.sync_free, moeflow.offload.graph): bits, refill, ordering, capture.
+"""Sync-free offloaded decode (OffloadConfig.sync_free, moeflow.offload.syncfree): bits, refill, ordering, capture.
 
 Legend: L layers, E routed experts, K picks, Z cache slots, Q staging slots, N pairs, T tokens.
 
@@ -31,7 +31,7 @@ import torch
 from moeflow.hf.graphs import cache_kwarg
 from moeflow.offload.attach import attach_offload
 from moeflow.offload.config import OffloadConfig
-from moeflow.offload.graph import GraphStats, admit_torch, remap_torch, stage_torch
+from moeflow.offload.syncfree import GraphStats, admit_torch, remap_torch, stage_torch
 from moeflow.offload.store import packed_layout, packed_views
 from moeflow.testing import assert_bitwise_equal
 
@@ -658,7 +658,7 @@ def test_gpu_hit_rate_rises_with_a_cache_that_holds_everything():
 
 if __name__ == "__main__":
     if len(sys.argv) != 2 or sys.argv[1] not in ("kernels", "admit", "model"):
-        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_offload_graph.py {kernels|admit|model}")
+        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_offload_syncfree.py {kernels|admit|model}")
     torch.set_grad_enabled(False)
     {"kernels": _interp_kernels, "admit": _interp_admit, "model": _interp_model}[sys.argv[1]]()
     print(f"PASS {sys.argv[1]}")
