@@ -77,9 +77,10 @@ from .cpu_experts import (
     measure_bandwidths,
 )
 from .policy import make_policy
-from .prefetch import Prefetcher
+from .prefetch import Prefetcher, read_back
 from .slots import Key
 from .store import ExpertStore, available_host_bytes
+from .syncfree import SyncFreeOffload
 
 # "auto" pins a host copy only when it leaves this much of the available memory free
 _HOST_MARGIN = 0.8
@@ -145,8 +146,6 @@ class OffloadRuntime:
         self.lock = threading.RLock()
         self.graph = None
         if config.sync_free:
-            from .syncfree import SyncFreeOffload
-
             self.graph = SyncFreeOffload(self, policy)  # its cache's slots are the first rows of its pool
             self.cache = self.graph.cache
         else:
@@ -216,7 +215,7 @@ class OffloadRuntime:
         # the slot pool has S experts, not E: pick tiles as the resident layer does (bit identity)
         impl = tiled_as(impl, E)
         pred_TW = self.prefetcher.predict_ids(pos, step_input) if step_input is not None else None
-        ids_host, pred_host = _read_back(ids, pred_TW)  # the step's one device->host read
+        ids_host, pred_host = read_back(ids, pred_TW)  # the step's one device->host read
         used = sorted({e for e in ids_host if e < E})
         pred_keys = self.prefetcher.local_keys(pos, pred_host)
         self.prefetcher.protect(pred_keys)
@@ -483,19 +482,6 @@ class OffloadRuntime:
         self._cpu_stats.__init__()
         if self.graph is not None:
             self.graph.reset_stats()
-
-
-def _read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[int], list[list[int]] | None]:
-    """Host lists of the step's expert ids (flat) and predicted ids [T][W], in one device->host copy."""
-    flat = ids.reshape(-1).to(torch.int32)
-    if pred_TW is None:
-        return flat.tolist(), None
-    W = int(pred_TW.shape[1])
-    n = int(flat.shape[0])
-    both = torch.cat([flat, pred_TW.reshape(-1).to(torch.int32)]).tolist()
-    T = int(pred_TW.shape[0])
-    pred = [both[n + t * W : n + (t + 1) * W] for t in range(T)]
-    return both[:n], pred
 
 
 def _check_cpu_experts(config: OffloadConfig, store_or_weights) -> None:

@@ -97,3 +97,18 @@ class Prefetcher:
             return 0
         self.issued_last = self.cache.prefetch(keys)
         return self.issued_last
+
+
+def read_back(ids: torch.Tensor, pred_TW: torch.Tensor | None) -> tuple[list[int], list[list[int]] | None]:
+    """Host lists of the step's expert ids (flat, from ids [T, K] or [N]) and predicted ids [T][W]
+    (pred_TW [T, W] or None), in one device->host copy: the read-back a step with host-side
+    bookkeeping needs anyway carries the prediction along."""
+    flat = ids.reshape(-1).to(torch.int32)
+    if pred_TW is None:
+        return flat.tolist(), None
+    W = int(pred_TW.shape[1])
+    n = int(flat.shape[0])
+    both = torch.cat([flat, pred_TW.reshape(-1).to(torch.int32)]).tolist()
+    T = int(pred_TW.shape[0])
+    pred = [both[n + t * W : n + (t + 1) * W] for t in range(T)]
+    return both[:n], pred

@@ -77,6 +77,7 @@ from ..experts.base import tiled_as
 from ..experts.source import scaled_rows
 from ..types import TokenBatch
 from .cache import CudaCopyEngine, ExpertCache, HostCopyEngine
+from .prefetch import read_back
 from .slots import Key, SlotTable
 from .store import packed_views
 
@@ -437,9 +438,7 @@ class SyncFreeOffload:
 
     # ---- the synchronous path for big steps -----------------------------------------------
     def _sync_step(self, pos: int, impl, batch, config, ids: torch.Tensor) -> torch.Tensor:
-        from .attach import _read_back
-
-        ids_host, _ = _read_back(ids, None)
+        ids_host, _ = read_back(ids, None)
         E = self.store.num_experts[pos]
         used = sorted({e for e in ids_host if 0 <= e < E})
         if self.device_lru:
