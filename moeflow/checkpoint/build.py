@@ -17,6 +17,7 @@ from torch import nn
 
 from ..config import MoEConfig
 from ..layer import MoELayer
+from ..parallel.ep_parts import check_ep_fingerprint, local_source, make_dispatcher
 from ..routing.router import RouterWeights
 from .loader import LayerWeights, load_moe_layer
 
@@ -82,8 +83,6 @@ def load_ep_layer(
     shared expert (families whose shared MLP is not SwiGLU). Collective (the fingerprint
     check), like `moeflow.parallel.ep.shard_layer`, whose other arguments it takes.
     """
-    from ..parallel.ep import check_ep_fingerprint, local_source, make_dispatcher
-
     d = make_dispatcher(config, group=group, mode=mode, placement=placement, static_tokens=static_tokens,
                         timeout_s=timeout_s, reduce_dtype=reduce_dtype, check_inputs=check_inputs)
     mine = list(d.local_ids)

@@ -33,28 +33,36 @@ call with EPGroupBroken).
 
 Refused by name: gradients (EP is inference-only), a placement whose world size is not
 the group's, an unknown mode, a non-finite timeout.
+
+The parts both EP builders share (make_dispatcher, local_source, check_ep_fingerprint) are
+moeflow.parallel.ep_parts; `load_ep_layer` (a rank's layer straight from a checkpoint) is
+moeflow.checkpoint.build's, re-exported here.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from ..config import ACTIVATIONS, LAYOUTS, ExpertWeights, MoEConfig
-from ..experts.source import ResidentExperts
-from ..routing.spec import SCORE_FNS
-from .all_reduce import AllReduceDispatcher
-from .all_to_all import AllToAllDispatcher
-from .dist_utils import check_same_across_ranks, check_timeout, dtype_code, group_size
-from .plan import Placement, as_placement, contiguous_ranges
+from ..checkpoint.build import load_ep_layer
+from ..config import ExpertWeights
+from .ep_parts import (
+    EP_MODES,
+    PlacementLike,
+    check_ep_fingerprint,
+    local_source,
+    make_dispatcher,
+    resolve_placement,
+)
+from .plan import Placement, contiguous_ranges
 
 __all__ = [
     "EP_MODES",
     "EPMoELayer",
     "shard_layer",
+    "load_ep_layer",
     "resolve_placement",
     "make_dispatcher",
     "local_source",
@@ -62,150 +70,6 @@ __all__ = [
     "Placement",
     "contiguous_ranges",
 ]
-
-EP_MODES: tuple[str, ...] = ("all_to_all", "all_reduce")
-
-PlacementLike = Placement | Sequence | torch.Tensor | Mapping | None
-
-
-def resolve_placement(placement: PlacementLike, num_experts: int, world_size: int) -> Placement:
-    """The placement to use: contiguous equal ranges when None (ValueError if W does not
-    divide E, saying to pass a map), else `as_placement(placement)` checked against E and W."""
-    if placement is None:
-        try:
-            return Placement.contiguous(num_experts, world_size)
-        except ValueError as exc:
-            raise ValueError(
-                f"expert parallelism over {world_size} ranks: {exc}. E={num_experts} experts do not split "
-                f"evenly; pass placement= (a list of (start, end) per rank or an expert->rank map)"
-            ) from exc
-    p = as_placement(placement, num_experts=num_experts)
-    if p.world_size != world_size:
-        raise ValueError(
-            f"placement: built for world_size={p.world_size}, but the process group has {world_size} ranks"
-        )
-    return p
-
-
-def make_dispatcher(config: MoEConfig, *, group: dist.ProcessGroup, mode: str = "all_to_all",
-                    placement: PlacementLike = None, static_tokens: int | None = None,
-                    timeout_s: float | None = None, reduce_dtype: torch.dtype = torch.float32,
-                    check_inputs: bool = True) -> AllToAllDispatcher | AllReduceDispatcher:
-    """The expert-parallel Dispatcher of `mode` over `group` (not collective).
-
-    static_tokens: all_to_all: the decode mode's token budget Tm (None: dynamic);
-        all_reduce: any int selects the fixed-shape (host-read free) row selection.
-    reduce_dtype / check_inputs: all_reduce only (see AllReduceDispatcher).
-    The dispatcher carries `placement`, `rank`, `world_size` and `local_ids` (this rank's
-    experts in local order).
-    """
-    if mode not in EP_MODES:
-        raise ValueError(f"mode={mode!r}: expected one of {EP_MODES}")
-    timeout_s = check_timeout(timeout_s)
-    W = group_size(group)
-    p = resolve_placement(placement, config.num_experts, W)
-    if mode == "all_to_all":
-        d: AllToAllDispatcher | AllReduceDispatcher = AllToAllDispatcher(
-            p, group, timeout_s=timeout_s, static_tokens=static_tokens)
-    else:
-        d = AllReduceDispatcher(p, group, timeout_s=timeout_s, static=static_tokens is not None,
-                                reduce_dtype=reduce_dtype, num_zero_experts=config.router.num_zero_experts,
-                                check_inputs=check_inputs)
-    d.local_ids = p.experts_of(d.rank)
-    d.static_tokens = static_tokens
-    return d
-
-
-def _with_zero_expert(w: ExpertWeights) -> ExpertWeights:
-    """w plus one all-zero expert at the end (a copy: only for the static modes' junk rows)."""
-
-    def cat(t: torch.Tensor | None) -> torch.Tensor | None:
-        return None if t is None else torch.cat([t, t.new_zeros((1, *t.shape[1:]))])
-
-    # every per-expert tensor (quantization scales too: zero scales dequantize to zero)
-    return ExpertWeights(**{n: cat(getattr(w, n)) for n in ExpertWeights.TENSOR_FIELDS}, layout=w.layout,
-                         interleaved=w.interleaved, quant=w.quant)
-
-
-def local_source(placement: Placement, rank: int, *, static: bool, full: ExpertWeights | None = None,
-                 local: ExpertWeights | None = None) -> ResidentExperts:
-    """This rank's experts as a ResidentExperts source (local id j = placement.experts_of(rank)[j]).
-
-    full:  all E experts (views of a contiguous range are taken, else one index copy), or
-    local: the rank's experts already loaded (by reference).
-    static: the fixed-shape modes also need one spare expert that junk rows run through on
-        their own, so that every real expert sees exactly its real rows (a GEMM's bits can
-        depend on its row count): the next (or previous) rank's neighbouring expert when a
-        view allows it, else a zero expert (one copy).
-    """
-    mine = list(placement.experts_of(rank))
-    L = len(mine)
-    E = placement.num_experts
-    if local is not None:
-        if not isinstance(local, ExpertWeights):
-            raise TypeError(f"local_experts: expected ExpertWeights, got {type(local).__name__}")
-        if local.num_experts != L:
-            raise ValueError(
-                f"local_experts: {local.num_experts} experts, but rank {rank} owns {L} "
-                f"({mine[:8]}{'...' if L > 8 else ''})"
-            )
-        if static and L:
-            return ResidentExperts(_with_zero_expert(local), num_experts=L, spare_expert=L, persistent=False)
-        return ResidentExperts(local, num_experts=L, persistent=False)
-    if not L:
-        return ResidentExperts(None, num_experts=0, persistent=False)
-    if full is None:
-        raise ValueError("local_source: give the layer's full ExpertWeights or the rank's local_experts")
-    rng = placement.range_of(rank)
-    if rng is not None and not static:
-        return ResidentExperts(full.subset(range(*rng)), num_experts=L, persistent=False)
-    if rng is not None and rng[1] < E:  # the next rank's first expert is the spare
-        return ResidentExperts(full.subset(range(rng[0], rng[1] + 1)), num_experts=L, spare_expert=L,
-                               persistent=False)
-    if rng is not None and rng[0] > 0:  # the previous rank's last expert, held before ours
-        return ResidentExperts(full.subset(range(rng[0] - 1, rng[1])), num_experts=L, spare_expert=0,
-                               expert_shift=1, persistent=False)
-    if not static:
-        return ResidentExperts(full.subset(mine), num_experts=L, persistent=False)
-    others = [e for e in range(E) if e not in set(mine)]
-    if others:
-        return ResidentExperts(full.subset([*mine, others[0]]), num_experts=L, spare_expert=L, persistent=False)
-    # this rank owns every expert: a zero spare (one copy)
-    return ResidentExperts(_with_zero_expert(full.subset(mine)), num_experts=L, spare_expert=L, persistent=False)
-
-
-def check_ep_fingerprint(layer, *, timeout_s: float | None = None) -> None:
-    """All-gather the sharded layer's fingerprint and raise EPConfigMismatch naming the fields that
-    differ across ranks (collective). `layer` is a MoELayer with an expert-parallel dispatcher."""
-    d = layer.dispatcher
-    c, s = layer.config, layer.config.router
-    e_p, w_p, h_p = d.placement.fingerprint()
-    static = getattr(d, "static_tokens", None)
-    fields = {
-        "layer_idx": layer.layer_idx,
-        "num_experts(E)": s.num_experts,
-        "top_k(K)": s.top_k,
-        "num_zero_experts(Z)": s.num_zero_experts,
-        "hidden_size(H)": c.hidden_size,
-        "intermediate_size(I)": c.intermediate_size,
-        "dtype": dtype_code(layer.experts_dtype or layer.router_weights.weight_EH.dtype),
-        "activation": ACTIVATIONS.index(c.activation),
-        "layout": LAYOUTS.index(c.layout),
-        "interleaved": int(c.interleaved),
-        "expert_bias": int(c.expert_bias),
-        "score_fn": SCORE_FNS.index(s.score_fn),
-        "weight_on_input": int(s.weight_on_input),
-        "hash_routing": int(s.hash_routing),
-        "shared_expert": int(layer.shared_expert is not None),
-        "shared_gated": int(c.shared_gated),
-        "mode": EP_MODES.index(d.name),
-        "static_tokens": -1 if static is None else int(static),
-        "placement_world_size": w_p,
-        "placement_hash": h_p,
-        "placement_experts": e_p,
-    }
-    check_same_across_ranks(fields, group=d.group, timeout_s=d.timeout_s if timeout_s is None else timeout_s,
-                            what=f"EP layer {layer.layer_idx}")
 
 
 def shard_layer(
@@ -263,16 +127,6 @@ def shard_layer(
     return ep
 
 
-def EPMoELayer(layer, *, group: dist.ProcessGroup, **kwargs: Any):  # noqa: N802 - the first landing's class name
-    """`shard_layer(layer, group=..., **kwargs)` (the first landing's name for a sharded layer)."""
+def EPMoELayer(layer, *, group: dist.ProcessGroup, **kwargs: Any):  # noqa: N802 - a class-style public name
+    """`shard_layer(layer, group=..., **kwargs)` under the class-style name callers may import."""
     return shard_layer(layer, group=group, **kwargs)
-
-
-def __getattr__(name: str):
-    # load_ep_layer builds a layer from a checkpoint: it lives with the checkpoint builders
-    # (moeflow.checkpoint.build), resolved lazily so this lower stage imports no builder.
-    if name == "load_ep_layer":
-        from ..checkpoint.build import load_ep_layer
-
-        return load_ep_layer
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
