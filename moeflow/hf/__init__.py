@@ -5,8 +5,9 @@
     print(report)
 
 Modules, one concern each:
-    patch      patch_model / unpatch_model / moe_layers / PatchReport: find the blocks,
-               build their MoELayers (EP and offload as stages), swap the block classes.
+    patch      patch_model / unpatch_model / PatchReport: find the blocks, build their
+               MoELayers (EP and offload as stages), swap the block classes.
+    patched    moe_layers / check_routing: what a patched model holds (re-exported by patch).
     blocks     the MoEBlock kinds a patched block gets (HF return signatures kept).
     interface  transformers' experts interface ("moeflow" experts under HF's routing).
     util       attribute paths, the families with an HF block description.

@@ -35,6 +35,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from .patched import check_routing, moe_layers
+
 __all__ = ["StaticDecoder", "disable_layer_graphs", "enable_layer_graphs"]
 
 
@@ -55,7 +57,6 @@ def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after:
     Raises ValueError if the model is not patched.
     """
     from ..layer_graphs import LayerGraphs
-    from .patch import moe_layers
 
     layers = moe_layers(model)
     if not layers:
@@ -69,8 +70,6 @@ def enable_layer_graphs(model: nn.Module, *, max_shapes: int = 8, capture_after:
 
 def disable_layer_graphs(model: nn.Module) -> None:
     """Every MoE layer step of a patched model eager again (the graphs are freed)."""
-    from .patch import moe_layers
-
     for layer in moe_layers(model):
         if layer.graphs is not None:
             layer.graphs.clear()
@@ -236,8 +235,6 @@ class StaticDecoder:
             if on_step is not None:
                 on_step(i)
         if "_moeflow_routing" in self.model.__dict__:  # a patched model: its deferred routing check
-            from .patch import check_routing
-
             check_routing(self.model)
         ids = torch.cat([input_ids.to(self.device)] + toks, 1)
         if return_logits:

@@ -39,6 +39,8 @@ from ..routing.families import router_spec_from_hf, text_config
 from ..routing.monitor import RoutingMonitor
 from ..routing.spec import RouterSpec
 from .blocks import BlockState, MoEBlock, block_kinds, patched_class
+from .graphs import enable_layer_graphs
+from .patched import check_routing, moe_layers, patched_modules
 from .util import attr_path as _attr
 from .util import available_hf_families, hf_families
 
@@ -363,8 +365,6 @@ def patch_model(
             source="offload" if offload is not None else "resident",
         ))
     if layer_graphs is not False:
-        from .graphs import enable_layer_graphs
-
         enable_layer_graphs(model, **graph_options)
     return PatchReport(
         model_class=type(model).__name__,
@@ -376,38 +376,12 @@ def patch_model(
     )
 
 
-def _patched_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(p, m) for p, m in model.named_modules() if isinstance(m, MoEBlock)]
-
-
-def moe_layers(model: nn.Module) -> list[MoELayer]:
-    """The MoELayers of a patched model, one per replaced block, in model order."""
-    seen: dict[int, MoELayer] = {}
-    for _, m in _patched_modules(model):
-        layer = m.moe_layer
-        seen.setdefault(id(layer), layer)
-    return list(seen.values())
-
-
-def check_routing(model: nn.Module, *, wait: bool = True) -> None:
-    """Raise the named ValueError (layer, row) if any routing of a patched model failed so far.
-
-    A patched model checks its GPU routing status once per forward without a host sync
-    (moeflow.routing.monitor); this forces the check now (wait=True: one sync), e.g. after
-    the last step of a generation or after CUDA-graph replays.
-    """
-    entry = model.__dict__.get("_moeflow_routing")
-    if entry is None:
-        raise ValueError(f"check_routing: {type(model).__name__} is not patched by moeflow.patch_model")
-    entry[0].check(wait=wait)
-
-
 def unpatch_model(model: nn.Module) -> int:
     """Give every patched module its HF class back; returns how many modules were restored.
 
     Refused (ValueError) for a model whose experts were offloaded (their storage is gone).
     """
-    mods = _patched_modules(model)
+    mods = patched_modules(model)
     for path, m in mods:
         if getattr(m.moe_layer, "offload", None) is not None:
             raise ValueError(f"unpatch_model: {path} is offloaded (its expert storage was released)")
