@@ -19,6 +19,8 @@ import importlib
 import sys
 from collections.abc import Sequence
 
+from .trace_command import add_trace_parser
+
 # What a user can cause and fix: turned into the two-line message above. OSError covers a
 # missing file, a directory where a file belongs and transformers' unreadable-checkpoint
 # errors; ImportError a missing optional package.
@@ -155,8 +157,6 @@ def _version() -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .cli_trace import add_trace_parser
-
     p = argparse.ArgumentParser(prog="moeflow", description="Exact, fast Mixture-of-Experts layers for LLM inference.")
     p.add_argument("--debug", action="store_true", help="show tracebacks for errors (accepted anywhere on the line)")
     p.add_argument("--version", action="version", version=f"moeflow {_version()}")

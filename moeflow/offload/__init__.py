@@ -9,7 +9,7 @@ Modules: config (OffloadConfig), store (ExpertStore), slots (SlotTable, CacheSta
 bookkeeping), cache (ExpertCache: the device slots), policy (LRU, RandomOldest, Predictive,
 Belady), prefetch (Prefetcher), attach
 (attach_offload, OffloadRuntime, OffloadedExperts: the offload expert source), trace (record /
-replay / stats; the `moeflow trace` command is moeflow.cli_trace).
+replay / stats; the `moeflow trace` command is moeflow.trace_command).
 Names are imported lazily so `import moeflow.offload` stays light.
 """
 

@@ -29,7 +29,7 @@ rows of other than K distinct ids, predictions of the wrong width or range.
 `Trace.validate()` checks the steps of a trace built in code; `replay` calls it.
 
 The command line (`moeflow trace record | replay | stats | plot`) lives in
-`moeflow.cli_trace`; this module is the library.
+`moeflow.trace_command`; this module is the library.
 """
 
 from __future__ import annotations

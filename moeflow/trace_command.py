@@ -1,0 +1,249 @@
+"""The `moeflow trace record | replay | stats | plot` subcommand: its parser and actions, over `moeflow.offload.trace`.
+
+    moeflow trace record MODEL_DIR --out t.jsonl [--text FILE | --prompt TEXT] [--tokens N] [--ctx C] [--width W]
+    moeflow trace replay t.jsonl --slots 8 16 [--policy lru ... belady] [--prefetch 0 2]   (default: every policy)
+    moeflow trace stats t.jsonl
+    moeflow trace plot t.jsonl --slots 12 [--out DIR]
+
+`record` runs the checkpoint on a text (default: DEFAULT_TOKENS tokens of Python source,
+the embedded model's kind of text) in forward passes of `--ctx` tokens and writes every
+MoE layer's expert ids and next-layer predictions. `replay` and `plot` simulate a decode
+cache by default: each recorded token is its own pass (`Trace.as_decode`; a causal model
+routes a token the same way prefilled or decoded). `--prefill` replays the recorded
+forward passes as they ran instead, where one step can touch every expert of a layer.
+
+Errors (a directory or a corrupt trace, an impossible `--slots`) raise ValueError /
+OSError, which `moeflow.cli.main` prints as one line and a hint, exit code 2.
+
+`moeflow.cli` adds the subcommand to the `moeflow` parser (`add_trace_parser`);
+`python -m moeflow.cli_trace ACTION ...` runs it as a program of its own.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections import Counter
+from collections.abc import Iterable
+from pathlib import Path
+
+DEFAULT_TOKENS = 2048
+# Forward-pass length of a recording: the embedded model's training context.
+DEFAULT_CTX = 128
+
+
+def default_text(n_bytes: int) -> tuple[bytes, list[str]]:
+    """At least `n_bytes` of Python source (when there is that much): moeflow's own modules.
+
+    Returns the bytes and the files they came from (package-relative, sorted), so a
+    recording says what it ran on. The package is always installed with its sources,
+    unlike a particular Python's stdlib.
+    """
+    root = Path(__file__).resolve().parent
+    data, used = b"", []
+    for f in sorted(root.rglob("*.py")):
+        data += f.read_bytes()
+        used.append(str(f.relative_to(root)))
+        if len(data) >= n_bytes:
+            break
+    return data[:n_bytes], used
+
+
+def _format_table(rows: Iterable, lru_bytes: dict[int, int] | None = None,
+                  belady_bytes: dict[int, int] | None = None) -> str:
+    """One line per replay: misses and bytes side by side; `vs_lru` / `vs_bel` = bytes / LRU's (no
+    prefetch) / Belady's bytes at the same slots (lru_bytes, belady_bytes: slots -> bytes; '-' when unknown)."""
+    head = (f"{'policy':<14}{'slots':>6}{'pf':>4}{'hits':>9}{'misses':>9}{'hit_rate':>9}{'miss/tok':>9}"
+            f"{'pf_iss':>8}{'pf_used':>8}{'pf_wast':>8}{'MB_copied':>11}{'KB/tok':>10}{'vs_lru':>8}{'vs_bel':>8}")
+    lines = [head, "-" * len(head)]
+
+    def ratio(num: int, base: int | None) -> str:
+        return f"{num / base:>8.3f}" if base else f"{'-':>8}"
+
+    for r in rows:
+        per_tok = r.bytes_copied / r.tokens / 1e3 if r.tokens else 0.0
+        lines.append(f"{r.policy:<14}{r.slots:>6}{r.prefetch:>4}{r.hits:>9}{r.misses:>9}{r.hit_rate:>9.3f}"
+                     f"{r.misses_per_token:>9.3f}{r.prefetch_issued:>8}{r.prefetch_used:>8}{r.prefetch_wasted:>8}"
+                     f"{r.bytes_copied / 1e6:>11.2f}{per_tok:>10.1f}{ratio(r.bytes_copied, (lru_bytes or {}).get(r.slots))}"
+                     f"{ratio(r.bytes_copied, (belady_bytes or {}).get(r.slots))}")
+    return "\n".join(lines)
+
+
+def _load(args: argparse.Namespace):
+    """The trace of args.path, in decode order unless --prefill (see the module doc)."""
+    from .offload.trace import Trace
+
+    trace = Trace.load(args.path)
+    return trace if args.prefill else trace.as_decode()
+
+
+def _cmd_replay(args: argparse.Namespace) -> int:
+    from .offload.trace import replay
+
+    trace = _load(args)
+    rows = []
+    for slots in args.slots:
+        for policy in args.policy:
+            for pf in args.prefetch:
+                if policy == "belady" and pf:
+                    continue
+                rows.append(replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width))
+    # the references of the bytes ratios: plain LRU and Belady (the floor) at each cache size,
+    # replayed when not asked for
+    lru_bytes = {r.slots: r.bytes_copied for r in rows if r.policy == "lru" and r.prefetch == 0}
+    bel_bytes = {r.slots: r.bytes_copied for r in rows if r.policy == "belady"}
+    for slots in args.slots:
+        if slots not in lru_bytes:
+            lru_bytes[slots] = replay(trace, slots, "lru", 0).bytes_copied
+        if slots not in bel_bytes:
+            bel_bytes[slots] = replay(trace, slots, "belady", 0).bytes_copied
+    order = "prefill passes as recorded" if args.prefill else "decode order, one pass per token"
+    print(f"{args.path}: {rows[0].tokens if rows else 0} tokens, {order}; vs_lru / vs_bel = bytes copied / "
+          f"LRU's (no prefetch) / Belady's at the same slots")
+    print(_format_table(rows, lru_bytes, bel_bytes))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([dict(r.as_dict(), bytes_per_token=r.bytes_copied / r.tokens if r.tokens else 0.0,
+                            bytes_vs_lru=r.bytes_copied / lru_bytes[r.slots] if lru_bytes[r.slots] else None,
+                            bytes_vs_belady=r.bytes_copied / bel_bytes[r.slots] if bel_bytes[r.slots] else None)
+                       for r in rows], f, indent=1)
+    return 0
+
+
+def _cmd_stats(args: argparse.Namespace) -> int:
+    from .offload.trace import Trace, trace_stats
+
+    print(json.dumps(trace_stats(Trace.load(args.path)), indent=1))
+    return 0
+
+
+def _positive(name: str, v: int) -> None:
+    if v < 1:
+        raise ValueError(f"{name}={v}: expected an int >= 1")
+
+
+def _cmd_record(args: argparse.Namespace) -> int:
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .hf import patch_model
+    from .inspect import check_context, checkpoint_info, encode_prompt, load_config
+    from .offload.trace import record_trace
+
+    _positive("--tokens", args.tokens)
+    _positive("--ctx", args.ctx)
+    if args.width is not None:
+        _positive("--width", args.width)
+    root = Path(args.model)
+    info = checkpoint_info(root)  # config.json, family, weights, expert counts: refused before loading anything
+    if args.text is not None:
+        data, source = Path(args.text).read_bytes(), {"text_file": args.text}
+    elif args.prompt is not None:
+        data, source = args.prompt.encode("utf-8"), {"prompt": args.prompt}
+    else:
+        data, files = default_text(args.tokens * 4)  # >= 1 byte per token for any tokenizer
+        source = {"text": "moeflow package sources", "files": files}
+    text_cfg = load_config(root).get_text_config()
+    # each forward pass is one sequence of <= ctx tokens
+    check_context(text_cfg, args.ctx, "--ctx", hint="pass a --ctx within the model's context")
+    ids = encode_prompt(root, data, text_cfg.vocab_size)[0]
+    if ids.numel() == 0:
+        raise ValueError("the text to record is empty: expected at least one token (--prompt / --text)")
+    n_text = ids.numel()
+    ids = ids[: args.tokens]
+    model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
+    model.eval()
+    patch_model(model)
+    meta = {"model": str(root), "family": info.family, "ctx": args.ctx, **source}
+    with torch.no_grad(), record_trace(model, width=args.width, meta=meta) as rec:
+        for start in range(0, ids.numel(), args.ctx):
+            model(input_ids=ids[start : start + args.ctx].unsqueeze(0))
+    rec.trace.save(args.out)
+    short = f" (the text has only {n_text} of the --tokens={args.tokens})" if n_text < args.tokens else ""
+    print(f"wrote {args.out}: {len(rec.trace.steps)} layer steps, {ids.numel()} tokens{short}, "
+          f"passes of {args.ctx} tokens")
+    return 0
+
+
+def _cmd_plot(args: argparse.Namespace) -> int:
+    from . import plots
+    from .offload.trace import replay
+
+    trace = _load(args)
+    out_dir = args.out
+    load_LE = []
+    toks = trace.tokens()
+    for layer in range(trace.num_layers):
+        c = Counter(e for tok in toks for e in tok.get(layer, []))
+        load_LE.append([c.get(e, 0) for e in range(trace.num_experts[layer])])
+    p1 = plots.plot_expert_load(load_LE, os.path.join(out_dir, "expert_load.png"),
+                                title=f"expert load ({len(toks)} tokens)")
+    series = {}
+    for policy in args.policy:
+        for pf in args.prefetch:
+            if policy == "belady" and pf:
+                continue
+            rates: list[float] = []
+            replay(trace, args.slots, policy, pf, per_pass=rates)
+            series[f"{policy}" + (f"+pf{pf}" if pf else "")] = rates
+    p2 = plots.plot_hit_rate(series, os.path.join(out_dir, "hit_rate.png"))
+    print(f"wrote {p1} and {p2}")
+    return 0
+
+
+def _order_flags(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_mutually_exclusive_group()
+    g.add_argument("--prefill", action="store_true",
+                   help="replay the recorded forward passes as they ran (default: decode order, one pass per token)")
+    g.add_argument("--decode", action="store_true", help="decode order, one pass per token (the default)")
+
+
+def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add `trace` and its four actions (each with its own --help) to the `moeflow` subparsers."""
+    from .offload.trace import REPLAY_POLICIES
+
+    t = sub.add_parser("trace", help="record, replay, plot or measure routing traces",
+                       description="Routing traces: record them from a checkpoint, replay them through the "
+                                   "offload cache, plot and measure them.")
+    acts = t.add_subparsers(dest="action", required=True)
+
+    r = acts.add_parser("replay", help="simulate cache sizes and policies on a trace")
+    r.add_argument("path", help="a trace file written by `moeflow trace record` (.jsonl or .jsonl.gz)")
+    r.add_argument("--slots", type=int, nargs="+", required=True)
+    r.add_argument("--policy", nargs="+", default=list(REPLAY_POLICIES), choices=REPLAY_POLICIES,
+                   help="policies to replay (default: all, Belady included)")
+    r.add_argument("--prefetch", type=int, nargs="+", default=[0], help="prefetch widths (0: off)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--predict-width", type=int, default=None,
+                   help="predictions per token the predictive/adaptive policies see with prefetch off (default K)")
+    _order_flags(r)
+    r.add_argument("--json", default=None, help="also write the rows as JSON")
+    r.set_defaults(func=_cmd_replay)
+
+    s = acts.add_parser("stats", help="prediction recall, reuse between tokens, load skew")
+    s.add_argument("path")
+    s.set_defaults(func=_cmd_stats)
+
+    c = acts.add_parser("record", help="record a trace from a checkpoint on a text")
+    c.add_argument("model", help="a checkpoint directory (config.json + *.safetensors)")
+    c.add_argument("--out", required=True)
+    src = c.add_mutually_exclusive_group()
+    src.add_argument("--text", default=None, help="a file whose contents are the input")
+    src.add_argument("--prompt", default=None, help="the input text itself")
+    c.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
+                   help=f"tokens to record (default {DEFAULT_TOKENS}; without --text/--prompt: of Python source)")
+    c.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"tokens per forward pass (default {DEFAULT_CTX})")
+    c.add_argument("--width", type=int, default=None, help="prediction width to record (default 2K)")
+    c.set_defaults(func=_cmd_record)
+
+    pl = acts.add_parser("plot", help="PNG: expert load heatmap and cache hit rate over decode steps per policy")
+    pl.add_argument("path")
+    pl.add_argument("--slots", type=int, required=True)
+    pl.add_argument("--policy", nargs="+", default=["lru", "random_oldest", "predictive", "adaptive", "belady"],
+                    choices=REPLAY_POLICIES)
+    pl.add_argument("--prefetch", type=int, nargs="+", default=[0])
+    _order_flags(pl)
+    pl.add_argument("--out", default=".", help="directory for expert_load.png and hit_rate.png")
+    pl.set_defaults(func=_cmd_plot)
+    return t
