@@ -281,8 +281,8 @@ def test_config_and_attach_errors():
 # run `reference` in bf16 on the host, the GPU rows the layer's Triton impl, so rounding points
 # and accumulation orders differ. The bound is relative to the output's scale, not elementwise:
 # a layer output sums K expert rows (and a shared expert), so an element near zero after
-# cancellation carries the rounding error of its large terms (measured on the H200 2026-12-03:
-# max|d| / max|y| <= 0.009 over 5 families; an elementwise rtol fails on such elements).
+# cancellation carries the rounding error of its large terms (test_cuda_cpu_experts_within_bf16_tolerance
+# on an H200: max|d| / max|y| <= 0.009 over 5 families; an elementwise rtol fails on such elements).
 CUDA_BF16_SCALE_TOL = 2e-2
 CUDA_BF16_REL_L2 = 1e-2
 

@@ -33,7 +33,7 @@ def _cyclic_trace() -> Trace:
 
 def test_replay_lru_on_a_cycle_larger_than_the_cache():
     # S=2 holds two keys; the cycle has four. LRU always evicts exactly the key needed
-    # two steps later: 8 misses, 0 hits (the thrash the seed's engine saw).
+    # two steps later: 8 misses, 0 hits.
     r = replay(_cyclic_trace(), 2, "lru")
     assert (r.hits, r.misses, r.bytes_copied) == (0, 8, 8000)
     assert r.tokens == 4 and r.steps == 8

@@ -11,7 +11,7 @@ Per layer step, `OffloadedExperts.run`:
 
     1. runs the next layer's router on the step input (Prefetcher.predict_ids, device),
     2. reads the batch's expert ids and the prediction back in ONE device->host copy
-       (the read-back routing-driven offload needs anyway; seed 004 does the same),
+       (the read-back routing-driven offload needs anyway),
     3. protects the predicted keys, pins this step's experts and copies the missing
        ones (ExpertCache.ensure: side stream + per-slot events; compute waits only on
        the slots it reads),

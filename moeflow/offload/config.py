@@ -48,8 +48,8 @@ class OffloadConfig:
     gpu_slots:      S, whole experts the device cache holds (shared by all layers). Must be
                     >= K of every layer (one step's experts are pinned together) and >= 1.
     policy:         eviction policy: "lru" (strict least recently used), "random_oldest"
-                    (uniform among the oldest `oldest_fraction` of the slots, seeded: the
-                    policy the seed's engine measured better than LRU for decode), or
+                    (uniform among the oldest `oldest_fraction` of the slots, seeded: strict
+                    LRU thrashes on a working set slightly larger than the cache), or
                     "predictive" (random_oldest that never evicts an expert the next-layer
                     predictor wants while another candidate exists), or "adaptive" (hit density:
                     evicts the key with the fewest expected hits per slot-step, from online reuse

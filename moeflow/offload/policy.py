@@ -7,16 +7,16 @@ state. The table hands a policy its unpinned candidates oldest-first (slots
 whose experts the current step uses are pinned and never offered), so a
 policy cannot evict a pinned slot even by mistake. `for_prefetch=True` means
 the slot is wanted for a guess, not a demand miss: the table then also hides
-the experts the predictor wants next, whatever the policy (the seed's lesson:
-never evict a likely-needed expert to make room for a guess), and a policy may
-return None to skip the prefetch.
+the experts the predictor wants next, whatever the policy (a guess never evicts
+a likely-needed expert), and a policy may return None to skip the prefetch.
 
 Policies:
     LRU             the least recently used candidate.
-    RandomOldest    uniform among the oldest ceil(fraction * S) candidates (seeded);
-                    the seed's engine measured 0.78 vs LRU's 5.53 misses per decode
-                    step, because strict LRU thrashes when the working set cycles
-                    slightly larger than the cache.
+    RandomOldest    uniform among the oldest ceil(fraction * S) candidates (seeded):
+                    strict LRU thrashes when the working set cycles slightly larger
+                    than the cache (it evicts exactly the key needed next, so every
+                    access misses: tests/test_trace.py's cyclic trace); a random pick
+                    among the oldest breaks the cycle.
     Predictive      RandomOldest over the candidates the predictor does not want next;
                     only when every candidate is wanted does it fall back to all of them.
     Adaptive        the key of least hit density (hits per slot-step it would hold within the
@@ -25,7 +25,8 @@ Policies:
                     set-duelled against a ghost LRU; gated prefetch (see the class).
     AdaptiveLong    Adaptive with a long-memory frequency (EMA decay 0.999 per visit, 12 log2
                     buckets down to 2^-11 uses per visit): tells a rare expert from a cold-but-hot
-                    one where the routing has a stationary per-expert skew (RESULTS.md).
+                    one where the routing has a stationary per-expert skew
+                    (`python benchmarks/replay_policies.py`).
     Belady          (replay only) the candidate whose next use lies furthest ahead: the
                     optimal number of misses, the ceiling the others are measured against.
 """
@@ -119,8 +120,8 @@ class Adaptive:
 
     Hit density (Beckmann et al.'s LHD) rather than P_hit alone: a key of the next layer that is
     likely used one step from now is worth more than one as likely used T steps from now, since
-    the slot it holds serves other keys meanwhile. Measured on the replay traces (2026-12-03): hit
-    density instead of P_hit cut adaptive's bytes by 2-10% of LRU's (RESULTS.md).
+    the slot it holds serves other keys meanwhile. On the traces of `python benchmarks/replay_policies.py`,
+    hit density instead of P_hit cut adaptive's bytes by 2-10% of LRU's.
 
     h_i = h_j,b(a + i - 1):
     a:        the key's age at layer j's next visit, in visits of layer j since its last use
@@ -414,7 +415,7 @@ class AdaptiveLong(Adaptive):
     Why: decode routing with a stationary per-expert skew (Zipf-like router bias; large E) has most
     keys rare: at E = 256, K = 8 an expert of rank 100 is picked once per ~30-100 visits, which
     Adaptive's 8 buckets lump with never-seen keys, and a 200-visit memory cannot rank reliably.
-    Measured (benchmarks/results/replay_policies.json, 2026-12-04; bytes / LRU's): synth-deepseek 0.79
+    Measured by `python benchmarks/replay_policies.py` (bytes / LRU's): synth-deepseek 0.79
     at 25% (Adaptive 0.81) and 0.83 at 50% (0.88), synth-e32k4 0.92 / 0.86 (0.92 / 0.88); the E = 8
     traces at 25% 1.00 (LRU's, within 1%); but the embedded model's traces at 50% 0.78-0.79 against
     Adaptive's 0.76: there the skew drifts with the text and the long memory lags it. So it is a

@@ -84,9 +84,10 @@ from .store import packed_views
 __all__ = ["GraphStats", "SyncFreeOffload", "remap_torch", "stage_torch"]
 
 # Entries of the pinned lut-mirror and log-snapshot rings. Replays let the host run many steps
-# ahead of the device; with 4 entries the refill dropped ~80% of the steps of a 24-step replayed
-# decode (H200, 2026-12-03), so the policy saw a fifth of the routing. A snapshot is L*(1+2*NCAP)
-# int32 and a mirror L*E_max int32: 32 of each cost kilobytes of pinned memory.
+# ahead of the device; with 4 entries the refill dropped ~80% of the steps of a 24-step decode
+# replayed from a CUDA graph on an H200 (GraphStats.dropped), so the policy saw a fifth of the
+# routing. A snapshot is L*(1+2*NCAP) int32 and a mirror L*E_max int32: 32 of each cost kilobytes
+# of pinned memory.
 RING = 32
 
 
