@@ -313,7 +313,7 @@ def _interp_main(check: str) -> None:
 
     _patch_interpreter_index()
     gpu = _gpu()
-    gpu._ALLOW_CPU = True  # the interpreter runs the CUDA kernels on CPU tensors
+    # the interpreter runs the CUDA kernels on CPU tensors (routing.gpu allows them under it)
     # H alternates between one split (H <= 128) and several (fp32 tiles: 128 of H per split)
     hs = (100, 200, 300)
     if check == "families":

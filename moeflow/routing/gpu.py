@@ -32,22 +32,21 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._triton import interpreted
 from ..types import RoutingResult
 from .spec import RouterSpec
 from .validate import validate_route_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_SLOTS = 4096  # a row's logits live in registers of one program
-# Set only by a Triton-interpreter development harness (TRITON_INTERPRET=1), which
-# runs the same kernels on CPU tensors; the library itself requires CUDA tensors.
-_ALLOW_CPU = False
 
 # router_step_cuda runs the single-kernel step (moeflow/kernels/router_fused.py) for
-# 1 <= T <= FUSED_MAX_T. Measured on an H200 (bench_routing.py, CUDA graph, L2 flushed,
-# 5 standard shapes): fused beats the two-kernel step at T = 1 by 0.2-0.5 us (7.7-12.1 us)
-# but loses at T = 8 (10-23 us vs 9-12.5 us) and badly at T = 64 (up to 117 vs 13 us): its
-# last program selects the rows serially in chunks, where the selection kernel runs one
-# program per row. Raise this once the fused tail is faster (same bits either way).
+# 1 <= T <= FUSED_MAX_T. Measured on an H200 by `python benchmarks/bench_routing.py --gpu` (its
+# moeflow-fused and moeflow-2k rows; CUDA graph, L2 flushed, 5 standard shapes): fused beats the
+# two-kernel step at T = 1 by 0.2-0.5 us (7.7-12.1 us) but loses at T = 8 (10-23 us vs 9-12.5 us)
+# and badly at T = 64 (up to 117 vs 13 us): its last program selects the rows serially in chunks,
+# where the selection kernel runs one program per row. Raise this once the fused tail is faster
+# (same bits either way).
 FUSED_MAX_T = 1
 _TICKET_SLOTS = 1024  # row-group counters of the fused kernel per device (T <= 1024 * block_m)
 _SELECT_TILE = 2048  # elements of the [rows, NGP, PP] tile the fused kernel's last program selects at once
@@ -232,7 +231,8 @@ class RouterStep:
 
 
 def _check_device(name: str, t: torch.Tensor) -> None:
-    if not (t.is_cuda or (_ALLOW_CPU and t.device.type == "cpu")):
+    # CPU tensors only under the Triton interpreter (tests, dry runs), which runs the same kernels on them
+    if not (t.is_cuda or (t.device.type == "cpu" and interpreted())):
         raise ValueError(f"{name}: on {t.device}, expected a CUDA tensor")
 
 
