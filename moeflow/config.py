@@ -3,7 +3,7 @@
 Legend: T tokens, H hidden size, E routed experts (of the weights at hand),
 K picks per token, I intermediate size per routed expert, N (token, slot) pairs.
 
-Expert weight layouts (transformers 5 fused "experts" modules, `shared/spec/experts.md`):
+Expert weight layouts (transformers 5 fused "experts" modules, `docs/experts.md`):
 
     layout "linear" (F.linear, y = x @ W[e].T; mixtral, qwen*, deepseek*, glm4_moe, gemma4, ...):
         gate_up [E, 2I, H]    down [E, H, I]

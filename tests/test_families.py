@@ -4,7 +4,7 @@ Legend: E routed experts, Z zero experts, K picks per token.
 
 Every config is built with explicit values (not the class defaults, which move
 between transformers versions) and its RouterSpec compared field by field with
-the one the family's HF router implies (shared/spec/routing.md; the routers
+the one the family's HF router implies (docs/routing.md; the routers
 themselves are compared on logits in tests/test_routing_hf.py). A family the
 installed transformers lacks is skipped there and fails here from 5.24 on.
 """
@@ -139,7 +139,7 @@ def test_kimi_k2_remote_config() -> None:
 
 
 def test_print_spec_in_a_fresh_interpreter() -> None:
-    """The issue's `python -c "import moeflow; print(moeflow.router_spec_from_hf(cfg))"`, per config class."""
+    """`python -c "import moeflow; print(moeflow.router_spec_from_hf(cfg))"` in a fresh interpreter, per config class."""
     lines = []
     for name, (family, cls, kwargs, layer_idx, _) in CASES.items():
         mod = f"transformers.models.{family}.configuration_{family}"

@@ -8,9 +8,9 @@ builds it with hidden_size = S and W = I, feeds x = the wanted logits and assert
 that the logits HF returns are bit-identical to the ones given to `moeflow.route`
 (gpt-oss: F.linear(x, I, b), its router bias included; gemma4, whose router
 normalises x before its projection: the projection is replaced by a module that
-returns the logits). Only the selection is compared, as the brief asks.
+returns the logits). Only the selection is compared.
 
-Per row (shared/spec/routing.md): the (id, weight) pairs sorted by id are equal,
+Per row (docs/routing.md): the (id, weight) pairs sorted by id are equal,
 ids exactly, weights within rtol 1e-6 (atol = the smallest normal f32: a
 subnormal weight has no relative precision and weighs nothing).
 
@@ -613,7 +613,7 @@ def test_route_matches_hf(name: str) -> None:
 
 
 def test_hf_rows_summary() -> None:
-    """Every family of the issue is covered, each with >= MIN_ROWS rows compared (printed with -s)."""
+    """Every supported family is covered, each with >= MIN_ROWS rows compared (printed with -s)."""
     families = {c.config.model_type for c in CASES}
     required = {"mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v2", "deepseek_v3", "kimi_k2", "glm4_moe",
                 "dots1", "deepseek_v4", "gpt_oss", "llama4_text", "longcat_flash", "gemma4_text"}

@@ -1,4 +1,4 @@
-"""The all-reduce expert-parallel plan (`ep_mode="all_reduce"`, the seed's served path).
+"""The all-reduce expert-parallel plan (`ep_mode="all_reduce"`).
 
 Legend: T tokens (the same T rows on every rank), K picks, P = T*K pairs, H hidden,
 W ranks, E routed experts, L experts on this rank, N rows this rank computes.
@@ -268,5 +268,5 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-# The name the first landing exported.
+# An older public name of the dispatcher, kept importable.
 AllReduceEP = AllReduceDispatcher

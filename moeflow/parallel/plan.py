@@ -1,4 +1,4 @@
-"""Expert placement and the expert-parallel routing table (the seed's `build_ep_routing_table`).
+"""Expert placement and the expert-parallel routing table.
 
 Legend: T tokens on this (source) rank, K picks per token, P = T*K (token, slot) pairs
 (flattened row-major: pair p = t*K + k), E routed experts, Z zero experts, W ranks
@@ -29,7 +29,7 @@ def _is_int(v: object) -> bool:
 
 
 def contiguous_ranges(num_experts: int, world_size: int) -> list[tuple[int, int]]:
-    """The seed's `local_expert_range` for every rank: rank r owns [r*E/W, (r+1)*E/W).
+    """Each rank's expert range: rank r owns [r*E/W, (r+1)*E/W).
 
     Raises ValueError when W does not divide E: an uneven split is a placement choice
     the caller must make explicitly (pass ranges or an expert->rank map).
@@ -234,7 +234,7 @@ class Placement:
 
     @property
     def is_contiguous(self) -> bool:
-        """Every rank holds one contiguous range (the seed's layout)."""
+        """Every rank holds one contiguous range."""
         return all(self.range_of(r) is not None for r in range(self.world_size))
 
     def tensors(self, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -344,11 +344,11 @@ class EPPlan:
         return int(self.is_zero_TK.sum())
 
     def local_count(self, rank: int) -> int:
-        """Pairs that stay on `rank` (the seed's `local_count`, zero experts excluded)."""
+        """Pairs that stay on `rank` (zero experts excluded)."""
         return self.counts()[rank]
 
     def remote_count(self, rank: int) -> int:
-        """Pairs `rank` sends to other ranks (the seed's `remote_count`)."""
+        """Pairs `rank` sends to other ranks."""
         c = self.counts()
         return sum(c) - c[rank]
 
@@ -371,7 +371,7 @@ def ep_plan(
     num_zero_experts: int | None = None,
     validate: bool = True,
 ) -> EPPlan:
-    """Split one rank's T tokens' picks by destination rank (the seed's `build_ep_routing_table`).
+    """Split one rank's T tokens' picks by destination rank.
 
     ids_TK:        int32/int64 [T, K]; ids in [0, E) are routed experts, ids >= E are zero
                    experts (identity; kept on the source rank, never sent).

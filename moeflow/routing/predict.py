@@ -3,9 +3,9 @@
 Legend: T tokens, H hidden size, E routed experts of the next layer, W width
 (how many experts to predict per token; may exceed K).
 
-The seed's predict_launch/predict_select: run the *next* layer's router weight on
-*this* layer's input and rank experts by the next layer's selection key
-(s + bias, group-limited as its spec says), with moeflow's one tie rule.
+Run the *next* layer's router weight on *this* layer's input and rank experts by the
+next layer's selection key (s + bias, group-limited as its spec says), with moeflow's one
+tie rule.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ def predict_next_ids(
 
         gpu = _gpu_module()
         if gpu is not None:
-            # One fused GEMV + selection launch, no host sync (the seed's predict_launch).
+            # One fused GEMV + selection launch, no host sync.
             return gpu.predict_next_cuda(
                 x_TH,
                 next_router_weight_EH,

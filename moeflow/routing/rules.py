@@ -1,7 +1,7 @@
 """Router rules: a Hugging Face config -> the RouterSpec of one MoE layer, one function per rule.
 
 Each rule reads the HF config's own fields; the contract each encodes is in
-shared/spec/routing.md and was checked against the HF module of the pinned
+docs/routing.md and was checked against the HF module of the pinned
 transformers (tests/test_routing_hf.py). Which model types use which rule is the
 family table's business (`moeflow.families`), not this module's.
 """

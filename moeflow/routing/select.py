@@ -3,7 +3,7 @@
 Legend: T tokens, E routed experts, Z zero experts, S = E + Z logit columns,
 K picks per token, V vocabulary size.
 
-Contract (shared/spec/routing.md): ids within a row are distinct and ordered by
+Contract (docs/routing.md): ids within a row are distinct and ordered by
 selection key descending, ties toward the lower expert index; row t of the
 result depends only on row t of the inputs (batch invariance); a NaN logit is
 an error naming the row; bad shapes/dtypes are errors naming the field.

@@ -1,6 +1,6 @@
 """RouterSpec: the exact selection rule of one MoE layer's router.
 
-One frozen value describes every family of `shared/spec/routing.md`; the only
+One frozen value describes every family of `docs/routing.md`; the only
 module that maps model names onto it is `moeflow.routing.families`.
 """
 
