@@ -2,9 +2,9 @@
 
 Why: a patched model's MoE step is host-bound on small-expert shapes: ~20 aten ops and 5-8
 Triton launches cost 0.45-0.9 ms of host time per layer on the H200's host while its GPU work
-takes 0.04-0.55 ms (benchmarks/RESULTS.md, 2026-12-03), so qwen3-30b-a3b prefill and every eager
-decode step wait on Python. A replayed graph costs one input copy, one replay and one output
-copy per layer.
+takes 0.04-0.55 ms (`PYTHONPATH=. python3 tools/diag_host_and_graphs.py --sections layer`), so
+qwen3-30b-a3b prefill and every eager decode step wait on Python. A replayed graph costs one
+input copy, one replay and one output copy per layer.
 
     graphs = LayerGraphs(max_shapes=8)            # one per model: the graphs share one memory pool
     layer.graphs = graphs                          # or moeflow.hf.enable_layer_graphs(model)

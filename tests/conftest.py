@@ -81,7 +81,7 @@ def release_cuda_cache() -> None:
     """Hand this process's cached, unused CUDA memory back to the driver (nothing without CUDA).
 
     Why: tests/gpu_suite.sh runs 8 xdist workers on one card, and PyTorch's caching allocator keeps
-    what a finished test freed. On an 80 GB H100 (sixteenth session) a worker that had run a
+    what a finished test freed. On an 80 GB H100 a worker that had run a
     deepseek-v3 real-size layer still held 29 GB while running small tests, and the next real-size
     test on another worker ran out of memory."""
     if torch.cuda.is_available() and torch.cuda.is_initialized():

@@ -143,8 +143,8 @@ def _block(kind: str, impl: str):
 def _blocks(kind: str, impls: tuple[str, ...]) -> list:
     """One MoELayer per experts impl, all on the same weights (one copy on the GPU): a real layer shape with a
     shared expert (random weights, bf16, CUDA). The routed experts are drawn on the GPU: deepseek-v3's are 11 G
-    values, which took minutes and 45 GB of host memory as f32 on the CPU, and two copies (one a layer) ran
-    an 8-worker GPU suite out of memory on an 80 GB card (fifteenth session)."""
+    values, which take minutes and 45 GB of host memory as f32 on the CPU, and two copies (one a layer) run
+    the 8-worker GPU suite (tests/gpu_suite.sh) out of memory on an 80 GB card."""
     from moeflow.config import ExpertWeights, MoEConfig
     from moeflow.layer import MoELayer
     from moeflow.routing.spec import RouterSpec
@@ -225,9 +225,9 @@ def test_batch_invariant_block_matches_the_default_within_bf16(kind, one_real_si
 def test_decode_step_captures_in_a_cuda_graph(batch, patched, hf_quiet):
     """moeflow.hf.StaticDecoder (static cache + torch.cuda.graphs): replayed decode gives the eager tokens.
 
-    Unpatched too: the recipe itself must hold before moeflow is judged by it. (An earlier
-    recipe let the pre-capture warm-up advance the static cache's write counter, so every
-    replayed step wrote its keys one slot late: tokens differed from the second step on at
+    Unpatched too: the recipe itself must hold before moeflow is judged by it. (A recipe
+    that lets the pre-capture warm-up advance the static cache's write counter makes every
+    replayed step write its keys one slot late: tokens differ from the second step on at
     batch 16, patched and unpatched alike; moeflow/hf/graphs.py.)
     """
     import moeflow

@@ -1,6 +1,6 @@
 """The composed pipeline: one forward, stages that compose, one family table, clean imports.
 
-Also regressions of the reliability issue that live in the pipeline's shared mechanisms:
+Also the reliability checks that live in the pipeline's shared mechanisms:
 concurrent offloaded forwards, atomic patch_model refusals.
 
 Legend: T tokens, H hidden, E experts, K picks per token.

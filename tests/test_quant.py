@@ -245,9 +245,9 @@ def test_quantizers_same_numbers_under_cuda_scalar_division():
     """The quantizers give the CPU's (IEEE) numbers under PyTorch-CUDA's `tensor / python_scalar`
     semantics (a * fl(1 / b), emulated on the CPU by moeflow.testing.cuda_scalar_division).
 
-    The FP8 accuracy miss on the H200: the W8A8 reference computed s = amax / 448 that way on CUDA,
-    1 ulp off the kernels' div_rn for ~55% of the groups; bf16 activations land exactly on e4m3
-    midpoints often enough (~0.1%) that the ulp flipped codes, rel-L2 1e-2 vs the kernels.
+    Why: a W8A8 reference computing s = amax / 448 that way on CUDA is 1 ulp off the kernels' div_rn
+    for ~55% of the groups, and bf16 activations land exactly on e4m3 midpoints often enough (~0.1%)
+    that the ulp flips codes: rel-L2 1e-2 against the kernels on an H200.
     """
     from moeflow.testing import cuda_scalar_division
 

@@ -140,7 +140,7 @@ def _check_reference(step, kw, what: str, x=None, w=None) -> None:
     rkw = {k: kw[k].cpu() for k in ("bias", "expert_scale", "input_ids", "hash_table") if k in kw}
     # The reference runs on the logits in float64: in these interpreter processes torch's
     # f32 CPU softplus, about once in 10-20 runs, came back ~3e-4 off on rows 32..63 (the
-    # second half) of its [64, 64] buffer, in CI and here (cause not found); the f64 path
+    # second half) of its [64, 64] buffer (cause not found); the f64 path
     # never did, and its rounding to f32 stays within the stated 1e-6.
     ref = route_reference(logits.double(), spec, **rkw)
     skip = set() if spec.hash_routing else near_tie_rows(logits, spec, rkw.get("bias"))

@@ -71,8 +71,8 @@ class MoEBlock(nn.Module):
     """Base of the classes patch_model gives to HF MoE modules (mixed in before the HF class).
 
     `moe_layer` is the MoELayer sharing the block's tensors (`last_routing`, `impl_name`,
-    its `dispatcher` and `source`); `moe_runner` is the same layer (the first landing's name
-    for what forward calls).
+    its `dispatcher` and `source`); `moe_runner` is the same layer (an older public name for
+    what forward calls, kept).
     """
 
     _moeflow: BlockState

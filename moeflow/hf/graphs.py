@@ -18,9 +18,9 @@ The recipe, and the two traps it avoids:
     so a recipe that does not rewind it writes every replayed step one slot late: the replays
     then attend to a stale copy of an earlier token instead of their own. The counters are
     snapshot before the warm-up and restored after it, and rewound to 0 at each generate.
-    (An earlier manual recipe with neither the rewind nor the mask gave tokens that drifted
-    from eager at batch 16 on the H200, transformers 5.17; with both, tokens equal eager at
-    batch 1 and 16 on the real-shape models of benchmarks/bench_e2e.py.)
+    (Without the rewind and the mask, replayed tokens drift from eager at batch 16 on an
+    H200, transformers 5.17; with both they equal eager at batch 1 and 16 on the real-shape
+    models of `python benchmarks/bench_e2e.py --graphs`.)
   * A model offloaded with `OffloadConfig(sync_free=True)` fills its expert cache in
     `runtime.refill()`, which no replay runs: it is called before every replay.
 

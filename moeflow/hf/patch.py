@@ -275,9 +275,10 @@ def patch_model(
             count has been seen (moeflow.hf.enable_layer_graphs; a dict passes its max_shapes /
             capture_after / max_bytes). Why on by default: a patched step is host-bound on the
             small-expert shapes (qwen3 prefill at T = 512: 1.05x HF eager, 1.57x with it, in
-            one run; benchmarks/RESULTS.md); outputs equal the eager step bit for bit. Steps that cannot
-            replay run eagerly on their own (CPU, autograd, offload, expert parallelism, hash
-            routing): see moeflow.layer_graphs. False: every step eager.
+            one run of `python benchmarks/bench_e2e.py --shapes qwen3-30b-a3b --points prefill
+            --prefill-T 512 --variants hf,auto,auto+eager`); outputs equal the eager step bit for
+            bit. Steps that cannot replay run eagerly on their own (CPU, autograd, offload, expert
+            parallelism, hash routing): see moeflow.layer_graphs. False: every step eager.
 
     Returns:
         PatchReport listing each replaced block (module path, family, implementation).
