@@ -31,8 +31,8 @@ import torch
 from moeflow.hf.graphs import cache_kwarg
 from moeflow.offload.attach import attach_offload
 from moeflow.offload.config import OffloadConfig
-from moeflow.offload.syncfree import GraphStats, admit_torch, remap_torch, stage_torch
 from moeflow.offload.store import packed_layout, packed_views
+from moeflow.offload.syncfree import GraphStats, admit_torch, remap_torch, stage_torch
 from moeflow.testing import assert_bitwise_equal
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
