@@ -118,7 +118,7 @@ def _near_ties(x_RS: torch.Tensor, key_of_x: Callable, K: int, g: torch.Generato
 
 
 def make_rows(S: int, K: int, seed: int, key_of_x: Callable) -> tuple[torch.Tensor, dict[str, int]]:
-    """f32 [T, S] router inputs of every kind the brief lists, and the count of each kind."""
+    """f32 [T, S] router inputs of every kind the module docstring lists, and the count of each kind."""
     g = torch.Generator().manual_seed(seed)
 
     def randn(n: int) -> torch.Tensor:
