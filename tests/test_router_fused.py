@@ -312,8 +312,7 @@ def _interp_main(check: str) -> None:
     from test_experts_triton import _patch_interpreter_index
 
     _patch_interpreter_index()
-    gpu = _gpu()
-    # the interpreter runs the CUDA kernels on CPU tensors (routing.gpu allows them under it)
+    # routing.gpu takes CPU tensors under the interpreter, which runs the CUDA kernels on them
     # H alternates between one split (H <= 128) and several (fp32 tiles: 128 of H per split)
     hs = (100, 200, 300)
     if check == "families":
