@@ -32,15 +32,13 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .._triton import interpreted
 from ..types import RoutingResult
 from .spec import RouterSpec
 from .validate import validate_route_inputs
 
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_SLOTS = 4096  # a row's logits live in registers of one program
-# Set only by a Triton-interpreter development harness (TRITON_INTERPRET=1), which
-# runs the same kernels on CPU tensors; the library itself requires CUDA tensors.
-_ALLOW_CPU = False
 
 # router_step_cuda runs the single-kernel step (moeflow/kernels/router_fused.py) for
 # 1 <= T <= FUSED_MAX_T. Measured on an H200 by `python benchmarks/bench_routing.py --gpu` (its
@@ -233,7 +231,8 @@ class RouterStep:
 
 
 def _check_device(name: str, t: torch.Tensor) -> None:
-    if not (t.is_cuda or (_ALLOW_CPU and t.device.type == "cpu")):
+    # CPU tensors only under the Triton interpreter (tests, dry runs), which runs the same kernels on them
+    if not (t.is_cuda or (t.device.type == "cpu" and interpreted())):
         raise ValueError(f"{name}: on {t.device}, expected a CUDA tensor")
 
 
