@@ -16,10 +16,15 @@ Triton's on-disk cache (`--workers`); the timing pass then only loads cubins.
     PYTHONPATH=. python benchmarks/tune_experts.py --shapes qwen3-30b-a3b --tokens 1,8,64 --dry-run
     PYTHONPATH=. python benchmarks/tune_experts.py --shapes mixtral-8x7b --tma   # the TMA kernels (Hopper)
 
-The kernels timed are the ones TritonExperts runs on this device: the TMA kernels on Hopper
-(TMA_BY_DEFAULT; MOEFLOW_TMA=0 times the pointer kernels). --tma forces them (MOEFLOW_TMA=1) and
-also tries their persistent form; the tiles of a table still run on the pointer kernels (which
+The kernels timed are the ones the kernel plan runs on this device (moeflow.experts.plan): the TMA
+kernels on Hopper, the pointer kernels elsewhere; --no-tma times the pointer kernels
+(KernelOptions(tma=False)); --tma forces the TMA kernels (KernelOptions(tma=True), the interpreter too)
+and also tries their persistent form. The tiles of a table still run on the pointer kernels (which
 ignore `persistent`), though not tuned for them.
+
+The measured thresholds of the plan (moeflow/tuning/rules.json) are written here too:
+    PYTHONPATH=. python benchmarks/tune_experts.py --write-rules gather_x_min_pairs=8192,flat_down_max_k_steps=16
+records the values an A/B chose (the figures and commands are in moeflow.tuning.rules.KernelRules).
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS, time_cuda_graph  # noqa: E402
+from benchmarks.common import STANDARD_SHAPES, STANDARD_TOKENS  # noqa: E402
 from moeflow.config import ExpertWeights, MoEConfig  # noqa: E402
+from moeflow.experts.options import KernelOptions  # noqa: E402
 from moeflow.routing.spec import RouterSpec  # noqa: E402
 from moeflow.testing import patch_interpreter_index  # noqa: E402,F401 - re-exported for the other benchmarks
 from moeflow.tuning import GemmTile, MoETileConfig, ShapeKey, load_table, mixes_k_steps, write_table  # noqa: E402
@@ -191,15 +197,35 @@ def stage_tiles(table: dict, bm: int, quick: bool) -> list[GemmTile]:
     return tiles
 
 
-def tma_wanted(dev: torch.device) -> bool:
-    """Whether this tuning times the TMA kernels: on a GPU, what TritonExperts(tma=None) runs there
-    (TMA_BY_DEFAULT on Hopper or newer, MOEFLOW_TMA=0 / 1 overriding); under the interpreter only
-    with MOEFLOW_TMA=1 (--tma)."""
-    if dev.type == "cpu":
-        return os.environ.get("MOEFLOW_TMA") == "1"
-    from moeflow.experts.triton import _tma_device
+# The KernelOptions this run times the kernels with (--tma / --no-tma set it; the compile workers get it
+# as an argument).
+OPTIONS = KernelOptions()
 
-    return _tma_device(dev.index if dev.index is not None else torch.cuda.current_device())
+
+def tma_wanted(dev: torch.device, options: KernelOptions | None = None) -> bool:
+    """Whether this tuning times the TMA kernels: what the plan runs on `dev` with these options."""
+    from moeflow.experts.devices import device_facts
+
+    t = (options or OPTIONS).tma
+    return (device_facts(dev).capability >= 9) if t is None else t
+
+
+def staged(w, x, T: int, K: int, tc: MoETileConfig, dev: torch.device, options: KernelOptions | None = None,
+           num_experts: int | None = None, buffers=None):
+    """(plan, buffers) of one step with tiles tc, for launching its stages one by one
+    (moeflow.experts.fused.run_stage). buffers: reuse these (the same BM and split: the same sizes);
+    num_experts: the E the alignment and combine kernels are compiled for (proxy weights of the real E)."""
+    from moeflow.experts.fused import StepBuffers
+    from moeflow.experts.triton import TritonExperts
+
+    impl = TritonExperts(allow_cpu=dev.type == "cpu", tile_config=tc, options=options or OPTIONS)
+    plan = impl.plan(w, T, K)
+    if buffers is None:
+        ids = torch.zeros(T * K, dtype=torch.int32, device=dev)
+        buffers = StepBuffers(plan, x, ids, torch.ones(T * K, device=dev), T, K, w, False, True)
+        if num_experts is not None:
+            buffers.E = num_experts
+    return plan, buffers
 
 
 def bm_range(T: int, K: int, E: int, quick: bool) -> list[int]:
@@ -227,10 +253,10 @@ def bm_range(T: int, K: int, E: int, quick: bool) -> list[int]:
 def _compile_worker(task) -> list[str]:
     """Run each config once on 2-expert proxy weights with the real H, I, K and E (E matters to
     the alignment kernel's constants): warms Triton's disk cache. Returns error strings."""
-    spec, cfg_dicts = task
+    spec, cfg_dicts, options = task
     import torch  # noqa: F401  (fresh process)
 
-    from moeflow.experts import triton as mt
+    from moeflow.experts.fused import run_stage
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # cpu: interpreter dry run
     dt = torch.bfloat16 if dev.type == "cuda" else torch.float32
@@ -242,20 +268,15 @@ def _compile_worker(task) -> list[str]:
         tc = MoETileConfig.from_dict(d)
         for T in (3, 4097 // K + 1):  # fused and multi-kernel alignment paths
             try:
-                ids = (torch.arange(T * K, device=dev, dtype=torch.int32) % 2).view(T, K)
                 x = torch.randn(T, spec["H"], device=dev, dtype=dt)
-                plan = mt._Plan(x, T, K, w, tc)
-                plan.tma = tma_wanted(dev)
-                plan.E = E  # the alignment kernel's E_PAD and the combine's E as the real shape has them
-                mt._launch_align(plan, ids.reshape(-1))
-                mt._launch_gate_up(plan, x, K, w, cfg)
-                mt._launch_down(plan, w)
-                mt._launch_combine(plan, torch.ones(T * K, device=dev), ids.reshape(-1))
+                # the alignment kernel's E_PAD and the combine's E as the real shape has them
+                plan, b = staged(w, x, T, K, tc, dev, options, num_experts=E)
+                b.ids_N.copy_(torch.arange(T * K, device=dev, dtype=torch.int32) % 2)
+                for stage in ("align", "gate_up", "down", "combine"):
+                    run_stage(plan, stage, b, w, cfg)
                 for s in SPLITS[tc.block_m]:  # the combine's SPLIT is a compile-time constant
-                    plan.y_SNH = torch.zeros(s, T * K, spec["H"], device=dev,
-                                             dtype=dt if s == 1 else torch.float32)
-                    plan.cfg = MoETileConfig(block_m=tc.block_m, gate_up=tc.gate_up, down=with_split(tc.down, s))
-                    mt._launch_combine(plan, torch.ones(T * K, device=dev), ids.reshape(-1))
+                    b.y_SNH = torch.zeros(s, T * K, spec["H"], device=dev, dtype=dt if s == 1 else torch.float32)
+                    run_stage(plan, "combine", b, w, cfg)
             except Exception as e:  # a candidate the compiler refuses (shared memory, registers)
                 errors.append(f"{spec['name']} {d}: {type(e).__name__}: {str(e)[:200]}")
                 break
@@ -269,7 +290,7 @@ def precompile(tasks: list[tuple[dict, list[dict]]], workers: int) -> list[str]:
     chunks = []
     for spec, cfgs in tasks:
         per = max(1, math.ceil(len(cfgs) / max(1, workers)))
-        chunks += [(spec, cfgs[i : i + per]) for i in range(0, len(cfgs), per)]
+        chunks += [(spec, cfgs[i : i + per], OPTIONS) for i in range(0, len(cfgs), per)]
     if workers <= 1:
         return [e for c in chunks for e in _compile_worker(c)]
     ctx = mp.get_context("spawn")
@@ -324,19 +345,6 @@ def time_launch(fn, reps: int) -> float:
     return statistics.median(ts)
 
 
-def time_replay(fn, reps: int) -> float:
-    """Median seconds of one CUDA-graph replay of fn() (L2 flushed before each; CPU: time_launch).
-
-    Whole-path comparisons use this: patch_model replays each MoE step from a CUDA graph (layer
-    graphs), so host launch time is not what a path costs there. Timed eagerly, the aligned path's
-    five launches against the decode path's two made the decode path look 2-3x faster at qwen3
-    T = 1 on the H200's slow host, where replayed it was 1.4x slower (2026-12-03).
-    """
-    if not torch.cuda.is_available():
-        return time_launch(fn, reps)
-    return time_cuda_graph(fn, reps=reps, flush=True)
-
-
 def bi_families(tuned: list[int], combos: list, best: dict, total, to_cfg) -> list[tuple]:
     """Batch-invariant families, best worst ratio first: [(table {T: cfg}, worst ratio, ratios, label)].
 
@@ -375,7 +383,7 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
     t is the sum of the stages' times, each launched alone after an L2 flush; 'ranked' holds the
     RANKED best (stage-sum, config) per T for refine_best, which times them whole.
     """
-    from moeflow.experts import triton as mt
+    from moeflow.experts.fused import run_stage
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w = make_weights(spec, dev, dtype=dtype)
@@ -395,26 +403,26 @@ def tune_shape(spec: dict, tokens: list[int], reps: int, quick: bool, deadline: 
         for bm in sorted(set(bm_range(T, K, E, quick)) | set(BI_BMS)):
             gus, dns = stage_tiles(GATE_UP, bm, quick), stage_tiles(DOWN, bm, quick)
             base = MoETileConfig(block_m=bm, gate_up=gus[0], down=dns[0])
-            plan = mt._Plan(x, T, K, w, base)
-            plan.tma = tma_wanted(dev)
-            align_t[(T, bm)] = time_launch(lambda p=plan, i_=ids_N: mt._launch_align(p, i_), reps)
+            plan, b = staged(w, x, T, K, base, dev)
+            b.ids_N, b.wts_N, b.combine_wts = ids_N, wts_N, wts_N
+            align_t[(T, bm)] = time_launch(lambda p=plan, b=b: run_stage(p, "align", b, w, cfg), reps)
             for i, g in enumerate(gus):
-                plan.cfg = MoETileConfig(block_m=bm, gate_up=g, down=dns[0])
+                p, _ = staged(w, x, T, K, MoETileConfig(block_m=bm, gate_up=g, down=dns[0]), dev, buffers=b)
                 try:
-                    gu_t[(T, bm, i)] = time_launch(lambda p=plan, x_=x: mt._launch_gate_up(p, x_, K, w, cfg), reps)
+                    gu_t[(T, bm, i)] = time_launch(lambda p=p, b=b: run_stage(p, "gate_up", b, w, cfg), reps)
                 except Exception as e:
                     log(f"  gate_up {bm} {g}: {type(e).__name__} {str(e)[:120]}")
             for s in SPLITS[bm]:
-                plan.y_SNH = torch.empty(s, T * K, H, device=dev, dtype=dtype if s == 1 else torch.float32)
+                b.y_SNH = torch.empty(s, T * K, H, device=dev, dtype=dtype if s == 1 else torch.float32)
                 for i, d in enumerate(dns):
-                    plan.cfg = MoETileConfig(block_m=bm, gate_up=gus[0], down=with_split(d, s))
+                    p, _ = staged(w, x, T, K, MoETileConfig(block_m=bm, gate_up=gus[0], down=with_split(d, s)), dev,
+                                  buffers=b)
                     try:
-                        dn_t[(T, bm, i, s)] = time_launch(lambda p=plan: mt._launch_down(p, w), reps)
+                        dn_t[(T, bm, i, s)] = time_launch(lambda p=p, b=b: run_stage(p, "down", b, w, cfg), reps)
                     except Exception as e:
                         log(f"  down {bm} {d} s={s}: {type(e).__name__} {str(e)[:120]}")
-                plan.cfg = MoETileConfig(block_m=bm, gate_up=gus[0], down=with_split(dns[0], s))
                 if (T, s) not in comb_t:
-                    comb_t[(T, s)] = time_launch(lambda p=plan, w_=wts_N, i_=ids_N: mt._launch_combine(p, w_, i_), reps)
+                    comb_t[(T, s)] = time_launch(lambda p=plan, b=b: run_stage(p, "combine", b, w, cfg), reps)
         log(f"  T={T}: timed")
 
     def total(T, bm, gi, di, s):
@@ -481,15 +489,21 @@ def with_half(cands: list) -> list:
 
 def with_flat(cands: list, spec: dict) -> list:
     """cands plus, after them, each one-split candidate with the other choice of down GEMM form than
-    FLAT_DOWN's rule gives it (MoETileConfig.flat_down; moeflow.experts.triton: the flattened
-    persistent down, same bits). Only shapes whose down takes TMA tiles (linear, no bias). Why: the
-    rule was fixed from a few points (RESULTS.md, 2026-12-05: +2..7% or -3..9% by tiles and T)."""
-    from moeflow.experts import triton as mt
-
+    the plan's rule gives it (MoETileConfig.flat_down; the flattened persistent down, same bits). Only
+    shapes whose down takes TMA tiles (linear, no bias). Why: the rule was fixed from a few points
+    (+2..7% or -3..9% by tiles and T; moeflow.tuning.rules.KernelRules.flat_down_max_k_steps)."""
     if spec["layout"] != "linear" or spec["interleaved"] or spec["bias"]:
         return list(cands)
-    return list(cands) + [(t, dataclasses.replace(c, flat_down=not mt.flat_down_rule(c, spec["I"]))) for t, c in cands
+    return list(cands) + [(t, dataclasses.replace(c, flat_down=not _flat_by_rule(c, spec["I"]))) for t, c in cands
                           if c.down.split_k == 1 and c.flat_down is None]
+
+
+def _flat_by_rule(c: MoETileConfig, I: int) -> bool:
+    """Whether the plan's rule runs tiles c's down flat at intermediate size I."""
+    from moeflow.tuning.rules import load_rules
+
+    steps = -(-I // c.down.block_k)
+    return c.block_m >= 128 and not c.half_tail and steps <= load_rules().flat_down_max_k_steps
 
 
 def time_many(fns: dict, reps: int, log) -> dict:
@@ -519,12 +533,11 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, 
     The stage sums time each kernel alone after its own L2 flush, launched eagerly. A step runs
     them back to back from a CUDA graph, the kernels overlapping at their edges (programmatic
     dependent launch) and down finding part of its input in L2. Near a tie the two orders differ:
-    on the H200 (2026-12-04) ds-v4.1-like T = 1 had kept BM = 64 tiles (97.2 us a step) by its
-    stage sums. So the few best by stage sum are timed again as whole steps (`time_many`, graph
+    on the H200 ds-v4.1-like T = 1 had kept BM = 64 tiles (97.2 us a step) by its stage sums. So the few best by stage sum are timed again as whole steps (`time_many`, graph
     replays round-robin) and the fastest is kept. half: also time each BM 64 / 128 candidate with
     half tiles (`with_half`); flat: also each with the other down GEMM form (`with_flat`, TMA only).
     """
-    from moeflow.experts import triton as mt
+    from moeflow.experts.triton import TritonExperts
 
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
@@ -536,10 +549,9 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, 
         cands = with_flat(cands, spec) if flat and tma else cands
         ids, wts = routing(T, E, K, "uniform", dev)
         x = torch.randn(T, H, device=dev, dtype=dtype)
-        ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
-        fns = {i: (lambda c=c, x=x, i_=ids_N, g=wts_N, T=T: mt._run(
-                   x, i_, g, T, K, w, cfg, c, weight_on_input=False, combine_weights=True, tma=tma))
-               for i, (_, c) in enumerate(cands)}
+        impls = [TritonExperts(allow_cpu=dev.type == "cpu", tile_config=c, options=OPTIONS) for _, c in cands]
+        fns = {i: (lambda m=m, x=x, ids=ids, wts=wts: m.forward_tokens(x, ids, wts, w, cfg))
+               for i, m in enumerate(impls)}
         times = time_many(fns, reps, lambda m, T=T: log(f"  refine T={T} candidate{m}"))
         if not times:
             continue
@@ -549,71 +561,6 @@ def refine_best(spec: dict, ranked: dict, reps: int, log, dtype=torch.bfloat16, 
         if first is not None and i_best != 0:
             log(f"  refine T={T}: whole step {t * 1e6:.1f} us against {first * 1e6:.1f} us for the stage-sum choice"
                 + (" (half tiles)" if c.half_tail else "") + ("" if c.flat_down is None else f" (flat_down={c.flat_down})"))
-    return out
-
-
-# Decode-path tiles (moeflow/kernels/moe_decode.py): gate_up one program per (pair, BN columns),
-# down one per (token, BN columns of H); narrow columns spread a T = 1 weight stream over the SMs.
-DECODE_GATE_UP = [_t(16, 256, 4, 3), _t(32, 128, 4, 4), _t(32, 256, 4, 3), _t(64, 128, 4, 4), _t(64, 64, 4, 5),
-                  _t(128, 64, 4, 4), _t(16, 128, 4, 4), _t(64, 256, 4, 3)]
-DECODE_DOWN = [_t(16, 256, 4, 3), _t(32, 256, 4, 3), _t(32, 128, 4, 4), _t(64, 128, 4, 4), _t(64, 256, 4, 3),
-               _t(128, 128, 4, 3), _t(16, 128, 4, 4), _t(128, 64, 4, 4)]
-
-
-# The decode path is written for a T only when it beats the aligned path by this factor: within
-# it the two are a tie at the timing's noise (2026-12-03, H200: deepseek-v3 T = 1, 2, 4 and
-# ds-v4.1-like T = 4, 8 differed by 0.1-1.2%), and a tie should not flip the path a T takes.
-DECODE_MARGIN = 0.97
-
-
-def tune_decode(spec: dict, tokens: list[int], aligned: dict, reps: int, quick: bool, log,
-                dtype=torch.bfloat16) -> dict:
-    """{T: (DecodeConfig, decode s, aligned s)} for each T whose T*K fits the decode path.
-
-    Both paths are timed whole, the same way (`time_replay`: CUDA-graph replay, L2 flushed before
-    it): the decode path over every (gate_up, down) candidate pair, the aligned path with this
-    tuning's best config for that T (`aligned`: {T: MoETileConfig}). The caller keeps the T where
-    decode won.
-    """
-    from moeflow.experts import triton as mt
-    from moeflow.tuning import DecodeConfig
-
-    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    w, cfg = make_weights(spec, dev, dtype=dtype), make_config(spec)
-    K, E, H = spec["K"], spec["E"], spec["H"]
-    gus, dns = (DECODE_GATE_UP[:2], DECODE_DOWN[:2]) if quick else (DECODE_GATE_UP, DECODE_DOWN)
-    tma = tma_wanted(dev)
-
-    def point(T: int):
-        """(best DecodeConfig, its s, the aligned path's s) at T."""
-        ids, wts = routing(T, E, K, "uniform", dev)
-        x = torch.randn(T, H, device=dev, dtype=dtype)
-        ids_N, wts_N = ids.reshape(-1).contiguous(), wts.reshape(-1).contiguous()
-        t_al = time_replay(lambda: mt._run(x, ids_N, wts_N, T, K, w, cfg, aligned[T], weight_on_input=False,
-                                           combine_weights=True, tma=tma), reps)
-        best = None
-        for g in gus:
-            for d in dns:
-                dc = DecodeConfig(gate_up=g, down=d)
-                try:
-                    t = time_replay(lambda dc=dc: mt._run_decode(x, ids_N, wts_N, T, K, w, cfg, dc,
-                                                                 weight_on_input=False), reps)
-                except Exception as e:  # a candidate the compiler refuses
-                    log(f"  decode T={T} {dc.to_dict()}: {type(e).__name__} {str(e)[:120]}")
-                    continue
-                if best is None or t < best[1]:
-                    best = (dc, t)
-        return None if best is None else (best[0], best[1], t_al)
-
-    out = {}
-    for T in tokens:
-        if T * K > mt.DECODE_MAX_PAIRS or T not in aligned:
-            continue
-        got = point(T)
-        if got is not None:
-            out[T] = got
-            log(f"  decode T={T}: {got[1] * 1e6:.1f} us vs aligned {got[2] * 1e6:.1f} us "
-                f"({'decode' if got[1] < DECODE_MARGIN * got[2] else 'aligned'} kept)")
     return out
 
 
@@ -638,25 +585,22 @@ def verify_family(spec: dict, table: dict, dtype=torch.bfloat16) -> tuple[bool, 
     return True, f"bitwise equal at T={Ts}"
 
 
-def merge_into(old: dict | None, configs: dict, bi, bi_by_t, decode: dict, *,
-               replace_bi: bool = False) -> tuple[dict, object, object, dict]:
-    """(configs, batch_invariant, batch_invariant_by_T, decode) of a table updated by a run over some T.
+def merge_into(old: dict | None, configs: dict, bi, bi_by_t, *,
+               replace_bi: bool = False) -> tuple[dict, object, object]:
+    """(configs, batch_invariant, batch_invariant_by_T) of a table updated by a run over some T.
 
     old: moeflow.tuning.load_table's dict of the existing table (None: nothing to merge). The run's
-    aligned and decode entries replace old ones at the T it tuned (an old decode entry at a T tuned
-    now goes: the run decided that T); old entries at other T stay. The old batch-invariant entries
-    stay when present: one tile set for every T is judged over every T, which a partial run did not time.
-    replace_bi: the run's batch-invariant entries replace the old ones where it has them (a run over
-    every T).
+    entries replace old ones at the T it tuned; old entries at other T stay. The old batch-invariant
+    entries stay when present: one tile set for every T is judged over every T, which a partial run did
+    not time. replace_bi: the run's batch-invariant entries replace the old ones where it has them (a run
+    over every T).
     """
     if old is None:
-        return configs, bi, bi_by_t, decode
-    tuned = set(configs) | set(decode)
-    merged_cfg = {**{T: c for T, c in old["configs"].items() if T not in tuned}, **configs}
-    merged_dec = {**{T: d for T, d in old["decode"].items() if T not in tuned}, **decode}
+        return configs, bi, bi_by_t
+    merged_cfg = {**{T: c for T, c in old["configs"].items() if T not in configs}, **configs}
     if replace_bi:
-        return merged_cfg, bi or old["batch_invariant"], bi_by_t or old["batch_invariant_by_T"], merged_dec
-    return (merged_cfg, old["batch_invariant"] or bi, old["batch_invariant_by_T"] or bi_by_t, merged_dec)
+        return merged_cfg, bi or old["batch_invariant"], bi_by_t or old["batch_invariant_by_T"]
+    return merged_cfg, old["batch_invariant"] or bi, old["batch_invariant_by_T"] or bi_by_t
 
 
 def main(argv=None) -> int:
@@ -670,12 +614,15 @@ def main(argv=None) -> int:
     ap.add_argument("--log-json", default=None, help="write the per-T choices and worst BI ratios here")
     ap.add_argument("--budget-s", type=float, default=1e9, help="stop timing new T after this many seconds")
     ap.add_argument("--skip-precompile", action="store_true")
-    ap.add_argument("--decode", action="store_true",
-                    help="also tune the two-launch decode path at every T with T*K <= 64 and write a 'decode' "
-                         "entry where it beats the aligned path (TritonExperts then takes it there)")
-    ap.add_argument("--tma", action="store_true",
-                    help="force the TMA kernels (MOEFLOW_TMA=1 for this process and its compile workers; "
-                         "the default on Hopper anyway) and also try the persistent form of the BM 64 / 128 tiles")
+    tma = ap.add_mutually_exclusive_group()
+    tma.add_argument("--tma", action="store_true",
+                     help="force the TMA kernels (KernelOptions(tma=True), for this process and its compile "
+                          "workers; the default on Hopper anyway) and also try the persistent form of the BM 64 / "
+                          "128 tiles")
+    tma.add_argument("--no-tma", action="store_true", help="time the pointer kernels (KernelOptions(tma=False))")
+    ap.add_argument("--write-rules", default=None, metavar="NAME=VALUE,...",
+                    help="write these measured thresholds into moeflow/tuning/rules.json (the others kept) and "
+                         "stop; names are moeflow.tuning.rules.KernelRules fields")
     ap.add_argument("--merge-from", default=None,
                     help="a tuning directory (e.g. moeflow/tuning) whose table for each shape this run updates: "
                          "entries of the T tuned now replace its entries, the others are kept, and so are its "
@@ -695,6 +642,8 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true",
                     help="CPU, fp32, under TRITON_INTERPRET=1 (set it yourself): checks the script, times nothing real")
     args = ap.parse_args(argv)
+    if args.write_rules is not None:
+        return write_rules_arg(args.write_rules)
     dtype = torch.bfloat16
     if args.dry_run:
         dtype = torch.float32
@@ -703,10 +652,12 @@ def main(argv=None) -> int:
     elif not torch.cuda.is_available():
         print("tune_experts: needs CUDA (or --dry-run under TRITON_INTERPRET=1)", file=sys.stderr)
         return 2
+    global OPTIONS, PERSISTENT_BMS
     if args.tma:
-        global PERSISTENT_BMS
-        os.environ["MOEFLOW_TMA"] = "1"  # before the compile workers start: they inherit it
+        OPTIONS = KernelOptions(tma=True)  # the compile workers get it with their task
         PERSISTENT_BMS = (64, 128)
+    elif args.no_tma:
+        OPTIONS = KernelOptions(tma=False)
     Path(args.out_dir).mkdir(parents=True, exist_ok=True)
     t0 = time.time()
     deadline = t0 + args.budget_s
@@ -761,23 +712,15 @@ def main(argv=None) -> int:
                                        "stage_sum_choice_replay_us": None if t0_ is None else t0_ * 1e6}
                               for T, (c, t, t0_) in refined.items()}
             res["best"] = {T: (refined[T][0], refined[T][1]) if T in refined else ct for T, ct in res["best"].items()}
-        decode = {}
-        if args.decode:
-            dec = tune_decode(spec, tokens, {T: c for T, (c, _) in res["best"].items()}, args.reps, args.quick,
-                              log, dtype=dtype)
-            decode = {T: dc for T, (dc, t_dec, t_al) in dec.items() if t_dec < DECODE_MARGIN * t_al}
-            res["decode"] = {str(T): {"cfg": dc.to_dict(), "decode_us": t_dec * 1e6, "aligned_us": t_al * 1e6}
-                             for T, (dc, t_dec, t_al) in dec.items()}
         configs = {T: c for T, (c, _) in res["best"].items()}
         bi, bi_by_t = (res["bi"][0] if res["bi"] else None), (fam[0] if fam else None)
         if args.merge_from:
-            configs, bi, bi_by_t, decode = merge_into(load_table(shape_key(spec, dtype), device, Path(args.merge_from), siblings=False),
-                                                      configs, bi, bi_by_t, decode, replace_bi=args.replace_bi)
+            old = load_table(shape_key(spec, dtype), device, Path(args.merge_from), siblings=False)
+            configs, bi, bi_by_t = merge_into(old, configs, bi, bi_by_t, replace_bi=args.replace_bi)
         # a family whose BK follows T reaches here only checked bit for bit on the device (this run's
         # verify_family, or the run that wrote the merged table)
         path = write_table(shape_key(spec, dtype), device, configs, bi, directory=Path(args.out_dir),
-                           batch_invariant_by_T=bi_by_t, decode=decode or None,
-                           batch_invariant_mixed_bk=bool(bi_by_t) and mixes_k_steps(bi_by_t))
+                           batch_invariant_by_T=bi_by_t, batch_invariant_mixed_bk=bool(bi_by_t) and mixes_k_steps(bi_by_t))
         report["shapes"][n] = {
             "file": path.name,
             "best": {str(T): {"cfg": c.to_dict(), "us": t * 1e6,
@@ -790,7 +733,6 @@ def main(argv=None) -> int:
             {"kept": fam is not None, "note": fam_note, "label": (fam or res["family"])[3],
              "worst_ratio": (fam or res["family"])[1], "ratios": (fam or res["family"])[2],
              "by_T": {str(T): c.to_dict() for T, c in (fam or res["family"])[0].items()}},
-            "decode": res.get("decode"),
             "refined": res.get("refined"),
         }
         for T, (c, t) in res["best"].items():
@@ -804,6 +746,26 @@ def main(argv=None) -> int:
         if args.log_json:
             Path(args.log_json).write_text(json.dumps(report, indent=1))
     log("done")
+    return 0
+
+
+def write_rules_arg(text: str) -> int:
+    """--write-rules NAME=VALUE,...: update moeflow/tuning/rules.json (ints; pdl_gemm_trigger a word)."""
+    from moeflow.tuning.rules import load_rules, write_rules
+
+    kw = {}
+    for item in filter(None, text.split(",")):
+        name, sep, value = item.partition("=")
+        if not sep:
+            print(f"tune_experts: --write-rules item {item!r}: expected NAME=VALUE", file=sys.stderr)
+            return 2
+        kw[name.strip()] = value.strip() if name.strip() == "pdl_gemm_trigger" else int(value)
+    try:
+        rules = dataclasses.replace(load_rules(), **kw)
+    except (TypeError, ValueError) as exc:
+        print(f"tune_experts: --write-rules: {exc}", file=sys.stderr)
+        return 2
+    print(f"wrote {write_rules(rules)}")
     return 0
 
 

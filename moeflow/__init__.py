@@ -5,6 +5,7 @@ without Triton or transformers loaded):
 
     RouterSpec, RoutingResult, route, router_logits, predict_next, router_spec_from_hf
     MoEConfig, MoELayer, patch_model, PatchReport
+    KernelOptions, KernelPlan, plan_step     (which kernel runs, and what a caller may choose)
     OffloadConfig
 """
 
@@ -38,6 +39,9 @@ _EXPORTS: dict[str, str] = {
     "CheckpointError": "moeflow.checkpoint",
     "run_experts": "moeflow.layer",
     "select_experts_impl": "moeflow.experts.select",
+    "KernelOptions": "moeflow.experts.options",
+    "KernelPlan": "moeflow.experts.plan",
+    "plan_step": "moeflow.experts.plan",
     "OffloadConfig": "moeflow.offload.config",
 }
 

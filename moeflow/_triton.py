@@ -8,17 +8,30 @@ falls back to (or refuses with) the torch reference when it says no.
 from __future__ import annotations
 
 import importlib.util
-import os
 from functools import lru_cache
 
-__all__ = ["triton_available", "INTERPRETED"]
-
-# Whether Triton runs its CPU interpreter (TRITON_INTERPRET=1): read once, as Triton reads it when
-# the kernels are decorated (not on every launch: the launch paths are hot).
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+__all__ = ["triton_available", "interpreted"]
 
 
 @lru_cache(maxsize=1)
 def triton_available() -> bool:
     """True when the triton package is installed (the kernels import it lazily, at launch)."""
     return importlib.util.find_spec("triton") is not None
+
+
+def interpreted() -> bool:
+    """Whether Triton runs its CPU interpreter (Triton's own knob, `triton.knobs.runtime.interpret`, which
+    TRITON_INTERPRET=1 sets); False without Triton."""
+    if not triton_available():
+        return False
+    from triton import knobs
+
+    return bool(knobs.runtime.interpret)
+
+
+def __getattr__(name: str):
+    # INTERPRETED: the same answer for the kernel modules that test it at import (they import Triton
+    # anyway); looked up at access, so importing this module imports no Triton.
+    if name == "INTERPRETED":
+        return interpreted()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

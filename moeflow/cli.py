@@ -49,7 +49,21 @@ def _cmd_info(args: argparse.Namespace) -> int:
     from .inspect import checkpoint_info, format_info
 
     print(format_info(checkpoint_info(args.path, slots=args.slots)))
+    if args.kernels:
+        from .experts.plan_report import checkpoint_plans, device_for_report, format_plans
+
+        device = device_for_report(args.device)
+        print(f"\nkernel plan per T on {device.name} (compute capability {device.capability}, {device.sm_count} SMs)"
+              + (" [no GPU here: planned for a named device]" if args.device is None and device.type == "cuda"
+                 and not _cuda_available() else ""))
+        print(format_plans(checkpoint_plans(args.path, device=device, batch_invariant=args.batch_invariant)))
     return 0
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _cmd_route(args: argparse.Namespace) -> int:
@@ -171,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     i = sub.add_parser("info", help="describe a checkpoint directory (config.json + safetensors), no weights loaded")
     i.add_argument("path")
     i.add_argument("--slots", type=int, default=None, help="size an offload cache of this many expert slots")
+    i.add_argument("--kernels", action="store_true",
+                   help="also print the kernel plan (every kernel, tile and path) per T for one MoE layer")
+    i.add_argument("--device", default=None,
+                   help="with --kernels: plan for this device (cuda, h100, h200, a100, cpu; default: the GPU here, "
+                        "else h100)")
+    i.add_argument("--batch-invariant", action="store_true", help="with --kernels: the batch-invariant mode's plan")
     i.set_defaults(func=_cmd_info)
 
     r = sub.add_parser("route", help="run a checkpoint on a prompt and show which experts each token chose")

@@ -30,6 +30,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .config import ExpertWeights, MoEConfig
+from .experts.options import KernelOptions
 from .experts.select import select_experts_impl
 from .experts.shared import SharedExpertRunner, swiglu_parts
 from .experts.source import ResidentExperts, run_impl
@@ -73,6 +74,7 @@ def routed_forward(
     requested: object = "auto",
     on_handle: Callable[[object], None] | None = None,
     quant: object = None,
+    options: object = None,
 ) -> tuple[torch.Tensor, object]:
     """dispatch -> experts -> combine for one routing: the routed part of every MoE forward.
 
@@ -85,6 +87,7 @@ def routed_forward(
         requested: experts impl name ("auto", "reference", ...) or an impl object.
         on_handle: called with the dispatch handle (diagnostics).
         quant: the experts' QuantSpec (quantized weights select an impl that runs them), or None.
+        options: the KernelOptions a named Triton impl runs with (moeflow.experts.options), or None.
 
     Returns:
         (out_TH [T, H] in x's dtype, the impl that ran). out = sum over k in slot order of
@@ -98,7 +101,7 @@ def routed_forward(
     if isinstance(requested, str) and dispatcher.fuses:
         # One device: the impl for these T tokens decides whether the fused form is used.
         # (Under EP the impl follows the rows that arrive: chosen once, after dispatch.)
-        impl = select_experts_impl(config, x_TH.device, T, requested, quant=quant)
+        impl = select_experts_impl(config, x_TH.device, T, requested, quant=quant, options=options)
     fused = dispatcher.fuses and spec.num_zero_experts == 0 and getattr(impl, "forward_tokens", None) is not None
     if T == 0 and dispatcher.fuses:
         return x_TH.new_zeros(0, config.hidden_size), impl
@@ -108,7 +111,7 @@ def routed_forward(
     batch = handle.batch
     if isinstance(batch, PairBatch) and isinstance(requested, str) and not dispatcher.fuses:
         # Rows arrive from other ranks: the impl (and its tiles) follows the rows computed here.
-        impl = select_experts_impl(config, x_TH.device, batch.num_tokens, requested, quant=quant)
+        impl = select_experts_impl(config, x_TH.device, batch.num_tokens, requested, quant=quant, options=options)
     y = run(impl, batch)
     return dispatcher.combine(y, handle), impl
 
@@ -167,6 +170,8 @@ class MoELayer(TensorRefs):
         experts_impl: "auto", "reference", "grouped", "triton", "triton_bi" (checked now;
             a refused choice raises ValueError with the implementation's reason), or an
             implementation object (tests, benchmarks).
+        kernel_options: a moeflow.experts.options.KernelOptions the named Triton impls run with
+            (tma / pdl / pinned kernel variants); None: the defaults.
         layer_idx: the layer's index (errors and traces name it).
 
     Attributes:
@@ -201,6 +206,7 @@ class MoELayer(TensorRefs):
         dispatcher: Dispatcher | None = None,
         experts_impl: object = "auto",
         layer_idx: int = 0,
+        kernel_options: object = None,
     ) -> None:
         super().__init__()
         self.check_routing = "eager"
@@ -246,9 +252,12 @@ class MoELayer(TensorRefs):
             raise TypeError(f"experts_impl: expected a str or an impl with forward_pairs, got "
                             f"{type(experts_impl).__name__}")
 
+        if kernel_options is not None and not isinstance(kernel_options, KernelOptions):
+            raise TypeError(f"kernel_options: expected a KernelOptions or None, got {type(kernel_options).__name__}")
         self.config = config
         self.layer_idx = layer_idx
         self.experts_impl = experts_impl
+        self.kernel_options = kernel_options
         for name, fld in _ROUTER_FIELDS.items():
             self.set_ref(name, getattr(router, fld))
         self.set_ref("shared_gate_weight", shared_gate_weight_1H)
@@ -263,7 +272,8 @@ class MoELayer(TensorRefs):
         # the first forward.
         device = getattr(source, "device", None) or torch.device("cpu")
         if isinstance(experts_impl, str):
-            impl0 = select_experts_impl(config, device, 1, experts_impl, quant=getattr(source, "quant", None))
+            impl0 = select_experts_impl(config, device, 1, experts_impl, quant=getattr(source, "quant", None),
+                                        options=kernel_options)
         else:
             impl0 = experts_impl
         self.impl_name: str = str(getattr(impl0, "name", type(impl0).__name__))
@@ -365,6 +375,7 @@ class MoELayer(TensorRefs):
             dispatcher=dispatcher if dispatcher is not None else self.dispatcher,
             experts_impl=experts_impl if experts_impl is not None else self.experts_impl,
             layer_idx=self.layer_idx,
+            kernel_options=self.kernel_options,
         )
 
     # -- pipeline ---------------------------------------------------------------------
@@ -401,6 +412,7 @@ class MoELayer(TensorRefs):
             x_TH, routing, self.config, dispatcher=self.dispatcher,
             run=lambda im, batch: source.run(im, batch, self.config, step_input=x_TH),
             requested=self.experts_impl, on_handle=keep, quant=getattr(source, "quant", None),
+            options=self.kernel_options,
         )
         # Plain attributes set straight into __dict__: nn.Module.__setattr__ (which looks for a
         # Parameter / Module / buffer of that name first) cost ~5 us of host time per step.
@@ -471,9 +483,21 @@ class MoELayer(TensorRefs):
     def _step(self, x_TH: torch.Tensor, *, input_ids: torch.Tensor | None = None,
               r_TH: torch.Tensor | None = None) -> torch.Tensor:
         """One validated step: route (on r_TH, default x_TH) -> experts -> + shared expert; out [T, H]."""
-        routing = self.route(x_TH if r_TH is None else r_TH, input_ids=input_ids)
-        self.__dict__["last_routing"] = routing  # a plain attribute (see experts_forward)
-        out_TH = self.experts_forward(x_TH, routing)
+        # An expert-parallel dispatcher pairs this step's collectives with the other ranks'. A
+        # refusal anywhere in the step (a NaN routing before the dispatch, an experts error
+        # before the combine) must still reach them, or their pending collectives would pair
+        # with this rank's next step: the dispatcher opens the step here and is told of the error.
+        begin = getattr(self.dispatcher, "begin_step", None)
+        if begin is not None:
+            begin(self.layer_idx)
+        try:
+            routing = self.route(x_TH if r_TH is None else r_TH, input_ids=input_ids)
+            self.__dict__["last_routing"] = routing  # a plain attribute (see experts_forward)
+            out_TH = self.experts_forward(x_TH, routing)
+        except BaseException as exc:
+            if begin is not None:
+                self.dispatcher.abort_step(x_TH, self.config.router, exc)
+            raise
         shared_TH = self.shared_forward(x_TH)
         if shared_TH is not None:
             out_TH = out_TH + shared_TH

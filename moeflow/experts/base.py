@@ -179,6 +179,6 @@ def tiled_as(impl, num_experts: int):
         c = copy.copy(impl)
         c.__dict__.pop("_tiled_copies", None)
         c.tiling_experts = num_experts
-        c._cfg_cache = {}
+        c._plans = {}
         cache[num_experts] = c
     return c

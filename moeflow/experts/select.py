@@ -46,38 +46,35 @@ _GROUPED = GroupedExperts(path="grouped_mm")
 _GROUPED_BMM = GroupedExperts(path="bmm")
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_impl():
-    """The Triton experts impl, or None when moeflow.experts.triton (or Triton) does not import."""
+@functools.lru_cache(maxsize=16)
+def _triton_impl(options=None):
+    """The Triton experts impl (with these KernelOptions; None: the defaults), or None when
+    moeflow.experts.triton (or Triton) does not import."""
     try:
         mod = importlib.import_module("moeflow.experts.triton")
     except ImportError:
         return None
-    impl = getattr(mod, "IMPL", None)
-    if impl is None:
-        cls = getattr(mod, "TritonExperts", None)
-        impl = cls() if cls is not None else None
-    return impl
+    return mod.IMPL if options is None else mod.TritonExperts(options=options)
 
 
-@functools.lru_cache(maxsize=1)
-def _triton_bi_impl():
+@functools.lru_cache(maxsize=16)
+def _triton_bi_impl(options=None):
     """The Triton impl in batch-invariant mode (one fixed reduction order for every T), or None."""
     if _triton_impl() is None:
         return None
     from .triton import TritonExperts
 
-    return TritonExperts(batch_invariant=True)
+    return TritonExperts(batch_invariant=True, options=options)
 
 
-@functools.lru_cache(maxsize=2)
-def _triton_quant_impl(batch_invariant: bool = False):
+@functools.lru_cache(maxsize=16)
+def _triton_quant_impl(batch_invariant: bool = False, options=None):
     """The quantized-weights Triton impl (batch-invariant mode or not), or None when it does not import."""
     try:
         mod = importlib.import_module("moeflow.experts.triton_quant")
     except ImportError:
         return None
-    return mod.TritonQuantExperts(batch_invariant=batch_invariant)
+    return mod.TritonQuantExperts(batch_invariant=batch_invariant, options=options)
 
 
 def available_impls() -> tuple[str, ...]:
@@ -87,8 +84,10 @@ def available_impls() -> tuple[str, ...]:
     return names + (("triton_quant", "triton_quant_bi") if _triton_quant_impl() is not None else ())
 
 
-def get_impl(name: str):
+def get_impl(name: str, options=None):
     """The implementation registered under `name` ("reference", "grouped", "triton", "triton_bi").
+
+    options: a moeflow.experts.options.KernelOptions for the Triton impls (None: the defaults).
 
     "triton_bi" is the Triton impl in batch-invariant mode: a token's output bits do
     not depend on the batch it runs in.
@@ -100,14 +99,14 @@ def get_impl(name: str):
     if name == "grouped":
         return _GROUPED
     if name in ("triton", "triton_bi"):
-        impl = _triton_impl() if name == "triton" else _triton_bi_impl()
+        impl = _triton_impl(options) if name == "triton" else _triton_bi_impl(options)
         if impl is None:
             raise ValueError(
                 f"experts impl {name!r}: unavailable (moeflow.experts.triton or the triton package does not import)"
             )
         return impl
     if name in ("triton_quant", "triton_quant_bi"):
-        impl = _triton_quant_impl(name == "triton_quant_bi")
+        impl = _triton_quant_impl(name == "triton_quant_bi", options)
         if impl is None:
             raise ValueError(f"experts impl {name!r}: unavailable (moeflow.experts.triton_quant does not import)")
         return impl
@@ -145,7 +144,7 @@ def _quant_ok(impl, quant) -> tuple[bool, str]:
 
 
 def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, requested: str = "auto", *,
-                        quant=None):
+                        quant=None, options=None):
     """The experts implementation to run `config` on `device` for a call of T tokens.
 
     Pure: the same arguments give the same object (no state is read or written
@@ -157,6 +156,7 @@ def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, r
         T: tokens in the call (>= 0); picks the grouped impl's bmm path for small T.
         requested: "auto" or a registered name.
         quant: the weights' moeflow.quant.QuantSpec (ExpertWeights.quant), None for plain weights.
+        options: a moeflow.experts.options.KernelOptions for the Triton impls (None: the defaults).
 
     Raises:
         ValueError: unknown name, or the named impl refuses the config or device
@@ -175,19 +175,19 @@ def select_experts_impl(config: MoEConfig, device: torch.device | str, T: int, r
         if not isinstance(quant, QuantSpec):
             raise TypeError(f"quant: expected a QuantSpec or None, got {type(quant).__name__}")
         if requested == "auto":
-            triton = _triton_impl() if device.type == "cuda" else None
-            triton_quant = _triton_quant_impl() if device.type == "cuda" else None
+            triton = _triton_impl(options) if device.type == "cuda" else None
+            triton_quant = _triton_quant_impl(False, options) if device.type == "cuda" else None
             for impl in (triton_quant, triton, _REFERENCE):
                 if (impl is not None and _quant_ok(impl, quant)[0] and impl.supports(config)[0]
                         and _device_ok(impl, device)[0]):
                     return impl
     if requested == "auto":
         if device.type == "cuda":
-            impl = _triton_impl()
+            impl = _triton_impl(options)
             if impl is not None and impl.supports(config)[0] and _device_ok(impl, device)[0]:
                 return impl
         return _grouped_for(config, T)
-    impl = get_impl(requested)
+    impl = get_impl(requested, options)
     ok, reason = impl.supports(config)
     if not ok:
         raise ValueError(f"experts impl {requested!r} refuses this config: {reason}")

@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from ..config import ExpertWeights, MoEConfig
+from ..experts.options import KernelOptions
 from ..families import Family
 from ..layer import MoELayer
 from ..offload.attach import attach_offload, check_offload
@@ -159,7 +160,7 @@ def _sources(fam: Family, block: nn.Module, spec: RouterSpec) -> dict[str, torch
 
 
 def _build_layer(fam: Family, block: nn.Module, config: Any, layer_idx: int, experts_impl: str,
-                 path: str) -> MoELayer:
+                 path: str, kernel_options: KernelOptions | None = None) -> MoELayer:
     spec = router_spec_from_hf(config, layer_idx)
     experts = _attr(block, fam.hf.experts)
     try:
@@ -212,6 +213,7 @@ def _build_layer(fam: Family, block: nn.Module, config: Any, layer_idx: int, exp
         shared_gate_weight_1H=src["shared_gate_weight"],
         experts_impl=experts_impl,
         layer_idx=layer_idx,
+        kernel_options=kernel_options,
     )
 
 
@@ -256,6 +258,7 @@ def patch_model(
     ep_options: dict[str, Any] | None = None,
     offload: Any = None,
     layer_graphs: bool | dict[str, Any] = True,
+    kernel_options: KernelOptions | None = None,
 ) -> PatchReport:
     """Replace every MoE block of a transformers model by moeflow, sharing its weights.
 
@@ -279,6 +282,10 @@ def patch_model(
             --prefill-T 512 --variants hf,auto,auto+eager`); outputs equal the eager step bit for
             bit. Steps that cannot replay run eagerly on their own (CPU, autograd, offload, expert
             parallelism, hash routing): see moeflow.layer_graphs. False: every step eager.
+        kernel_options: a moeflow.KernelOptions for the fused Triton experts of every block (tma /
+            pdl / fast_launch / pinned kernel variants: what a benchmark or a user may choose);
+            None: the defaults. Which kernel each step then runs is the kernel plan's
+            (moeflow.experts.plan; `moeflow info PATH --kernels` prints it).
 
     Returns:
         PatchReport listing each replaced block (module path, family, implementation).
@@ -292,6 +299,9 @@ def patch_model(
         raise TypeError(f"model: expected a torch.nn.Module, got {type(model).__name__}")
     if not isinstance(experts, str):
         raise TypeError(f"experts: expected a str such as 'auto', got {type(experts).__name__}")
+    if kernel_options is not None and not isinstance(kernel_options, KernelOptions):
+        raise TypeError(f"kernel_options: expected a moeflow.KernelOptions or None, got "
+                        f"{type(kernel_options).__name__}")
     if ep_mode not in EP_MODES:
         raise ValueError(f"ep_mode={ep_mode!r}: expected one of {EP_MODES}")
     if ep_options is not None and (ep_group is None or not isinstance(ep_options, dict)):
@@ -324,7 +334,7 @@ def patch_model(
     plans = []
     for path, block, fam in blocks:
         layer_idx = _layer_idx(path, block)
-        layer = _build_layer(fam, block, config, layer_idx, experts, path)
+        layer = _build_layer(fam, block, config, layer_idx, experts, path, kernel_options)
         if ep_group is not None:
             layer = shard_layer(layer, group=ep_group, mode=ep_mode, **(ep_options or {}))
         plans.append((path, block, fam, layer_idx, layer))

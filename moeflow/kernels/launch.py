@@ -1,7 +1,7 @@
 """Launch compiled Triton kernels without the JIT's per-call binding (host time per launch).
 
 Why: a patched model's prefill on small-expert shapes (qwen3-30b-a3b) is host-bound
-(benchmarks/RESULTS.md, 2026-12-03), and Triton's `JITFunction.run` was ~43% of a layer step's
+(cProfile of a layer step: `python -m cProfile benchmarks/bench_e2e.py ...`), and Triton's `JITFunction.run` was ~43% of a layer step's
 host time under cProfile: per call it binds the arguments, specialises each one, builds a cache
 key, looks the kernel up, checks globals and builds launch metadata, before the C launcher runs.
 
@@ -19,8 +19,7 @@ ints, floats, bools, None, Tensor subclasses) by Triton's own specialisation of 
 key the JIT computes (finer where a parameter is `do_not_specialize`), so a cached kernel is
 always the one the JIT would have launched.
 
-Where the fast path does not apply, calls go to `fn[grid]` unchanged: MOEFLOW_FAST_LAUNCH=0
-(or `moeflow.kernels.launch.ENABLED = False`), the Triton interpreter
+Where the fast path does not apply, calls go to `fn[grid]` unchanged: the Triton interpreter
 (TRITON_INTERPRET=1), a Triton whose launcher signature is not the one checked here, a
 callable grid, a kernel with pre-run hooks or a parameter named with a leading underscore, a
 registered Triton launch hook (proton and other profilers), or an unhashable argument.
@@ -32,29 +31,21 @@ moeflow's kernels read no mutable globals).
 from __future__ import annotations
 
 import inspect
-import os
-from functools import partial
+from functools import lru_cache, partial
 from typing import Any
 
-# MOEFLOW_FAST_LAUNCH=0 sends every launch through the JIT (A/B measurements, debugging);
-# read at each launch, so a process may also flip it.
-ENABLED = os.environ.get("MOEFLOW_FAST_LAUNCH", "1") != "0"
-_FAST_OK: bool | None = None  # whether this Triton's JITFunction.run / launcher match (checked once)
 
-
+@lru_cache(maxsize=1)
 def _fast_supported() -> bool:
-    """True when Triton's JITFunction.run has the 3.4-3.6 shape this module relies on."""
-    global _FAST_OK
-    if _FAST_OK is None:
-        try:
-            from triton.runtime.jit import JITFunction
+    """True when Triton's JITFunction.run has the 3.4-3.6 shape this module relies on (checked once)."""
+    try:
+        from triton.runtime.jit import JITFunction
 
-            src = inspect.getsource(JITFunction.run)
-            _FAST_OK = ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata"
-                        in src and "*bound_args.values()" in src)
-        except Exception:  # noqa: BLE001 - any surprise means: use the JIT path
-            _FAST_OK = False
-    return _FAST_OK
+        src = inspect.getsource(JITFunction.run)
+        return ("kernel.run(grid_0, grid_1, grid_2, stream, kernel.function, kernel.packed_metadata"
+                in src and "*bound_args.values()" in src)
+    except Exception:  # noqa: BLE001 - any surprise means: use the JIT path
+        return False
 
 
 class FastKernel:
@@ -84,7 +75,7 @@ class FastKernel:
         return getattr(self.__dict__["fn"], name)
 
     def __getitem__(self, grid):
-        if not (self._fast and ENABLED) or callable(grid) or self.fn.pre_run_hooks:
+        if not self._fast or callable(grid) or self.fn.pre_run_hooks:
             return self.fn[grid]
         return partial(self._run, grid)
 

@@ -10,8 +10,7 @@ benchmarks/tune_experts.py:
     {"device": "NVIDIA_H200", "shape": {...},
      "configs": {"1": <MoETileConfig>, "2": ..., "8192": ...},
      "batch_invariant": <MoETileConfig>,           # optional: one config for every T
-     "batch_invariant_by_T": {"1": ..., ...},      # optional, see below
-     "decode": {"1": <DecodeConfig>, ...}}          # optional: tiles of the two-launch decode path
+     "batch_invariant_by_T": {"1": ..., ...}}      # optional, see below
 
 Batch invariance needs every token's sums done in one order whatever the batch: no split-K
 and one K-step (BK) per GEMM. "batch_invariant" is one whole configuration for every T (always
@@ -23,12 +22,8 @@ follow T too where the tuner checked that family bit for bit ("batch_invariant_b
 true; each k16 MMA step joins one f32 accumulator in order, so BK should not change the bits, but
 only the device says so); a table mixing K-steps without that mark is refused when read.
 
-The decode path (moeflow/kernels/moe_decode.py, small T*K, default mode only) has its own
-tiles, and the tuner writes a "decode" entry only for a T where that path beat the aligned one:
-`decode_tuned` then sends the batches nearest that T down it. Its tiles: gate_up one per (pair, column tile) program, down one per (token, H tile) program.
-`decode_lookup` reads the "decode" entries, else takes gate_up from the aligned path's entry
-for that T (the same dot shape: BM=16 row tiles over one expert) and down from
-`default_decode_down`.
+The thresholds a measurement chose for the kernel plan (which variant serves a shape) are
+data too: `rules.json` beside this module, read by `moeflow.tuning.rules.load_rules`.
 
 A lookup takes the entry whose T is nearest in log scale (ties: the smaller T). Without a
 file, `default_config` picks from shape heuristics. This module is pure Python (no triton,
@@ -92,10 +87,10 @@ class MoETileConfig:
     (moeflow/kernels/moe_gemm.py, HALF_TAIL): less padding computed, the full blocks keep
     block_m's efficiency, and a row's dot products take the same K steps, so the same bits.
 
-    flat_down: where the down GEMM takes TMA tiles (Hopper, linear layout, one split), True runs
-    it as one flattened persistent loop over (tile, K step) (moe_gemm_tma._down_flat, the fp8
-    _fp8_down_flat; without half tiles: the same bits), False tiled; None (default) leaves it to
-    moeflow.experts.triton.FLAT_DOWN's rule. The module flag set to True / False overrides both.
+    flat_down: where the bf16 / fp16 down GEMM takes TMA tiles (Hopper, linear layout, one split),
+    True runs it as one flattened persistent loop over (tile, K step) (moe_gemm_tma._down_flat;
+    without half tiles: the same bits), False tiled; None (default) leaves it to the plan's rule
+    (`moeflow.tuning.rules.KernelRules.flat_down_max_k_steps`).
     """
 
     block_m: int
@@ -155,32 +150,6 @@ class ShapeKey:
         )
 
 
-@dataclass(frozen=True, kw_only=True)
-class DecodeConfig:
-    """Tiles of the decode path. gate_up.block_n counts columns of I; down.block_n columns of H.
-    split_k must be 1 in both (the down kernel sums every slot and I tile itself, in order)."""
-
-    gate_up: GemmTile
-    down: GemmTile
-
-    def __post_init__(self) -> None:
-        for name in ("gate_up", "down"):
-            t = getattr(self, name)
-            if not isinstance(t, GemmTile):
-                raise TypeError(f"DecodeConfig.{name}: expected a GemmTile, got {type(t).__name__}")
-            if t.split_k != 1:
-                raise ValueError(f"DecodeConfig.{name}.split_k={t.split_k}: expected 1 (no split on the decode path)")
-
-    def to_dict(self) -> dict:
-        return asdict(self)
-
-    @classmethod
-    def from_dict(cls, d: dict) -> DecodeConfig:
-        if not isinstance(d, dict) or set(d) != {"gate_up", "down"}:
-            raise ValueError(f"DecodeConfig: expected keys gate_up, down; got {d!r}")
-        return cls(gate_up=GemmTile(**d["gate_up"]), down=GemmTile(**d["down"]))
-
-
 def device_slug(name: str) -> str:
     """'NVIDIA H200' -> 'NVIDIA_H200' (file-name safe)."""
     return re.sub(r"[^A-Za-z0-9]+", "_", name).strip("_")
@@ -222,15 +191,15 @@ def _load(path: str) -> dict | None:
     if mixes_k_steps(by_t) and not data.get(MIXED_BK_KEY):
         raise ValueError(f"{path}: batch_invariant_by_T mixes K-steps (block_k); expected one per GEMM, or "
                          f"{MIXED_BK_KEY!r}: true from a tuner that checked the mix bit for bit on the device")
-    decode = {int(k): DecodeConfig.from_dict(v) for k, v in data.get("decode", {}).items()}
     return {"configs": configs, "batch_invariant": MoETileConfig.from_dict(bi) if bi else None,
-            "batch_invariant_by_T": by_t, "decode": decode}
+            "batch_invariant_by_T": by_t}
 
 
 # Hopper parts with 132 SMs (sm_90, 228 KB shared memory a block): a table tuned on one is the best
 # start on another, where none of its own exists. Why: without it an H100 ran the heuristic tiles at
 # every shape (the tables were tuned on the H200), and lost 9% to the vLLM peer (run with its H200
-# tables) at deepseek-v3 T = 2048 (RESULTS.md, 2026-12-05). Ranked: the first sibling with a file wins.
+# tables) at deepseek-v3 T = 2048 (`python benchmarks/bench_experts.py --shapes deepseek-v3 --tokens 2048` on an
+# H100 with and without the sibling table). Ranked: the first sibling with a file wins.
 HOPPER_132_SM = ("NVIDIA_H200", "NVIDIA_H100_80GB_HBM3", "NVIDIA_H200_NVL", "NVIDIA_H100_NVL", "NVIDIA_H800",
                  "NVIDIA_GH200_480GB", "NVIDIA_GH200_144G_HBM3e")
 
@@ -255,7 +224,7 @@ def load_table(key: ShapeKey, device: str, directory: Path | None = None, *, sib
 def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
                 batch_invariant: MoETileConfig | None, directory: Path | None = None,
                 batch_invariant_by_T: dict[int, MoETileConfig] | None = None,
-                decode: dict[int, DecodeConfig] | None = None, batch_invariant_mixed_bk: bool = False) -> Path:
+                batch_invariant_mixed_bk: bool = False) -> Path:
     """Write a tuned table (module docstring's format). batch_invariant_mixed_bk: the by-T family's BK
     follows T, checked bit for bit on the device by the caller (MIXED_BK_KEY)."""
     path = (directory or TUNING_DIR) / key.file_name(device)
@@ -270,8 +239,6 @@ def write_table(key: ShapeKey, device: str, configs: dict[int, MoETileConfig],
         data["batch_invariant_by_T"] = {str(m): c.to_dict() for m, c in sorted(batch_invariant_by_T.items())}
         if batch_invariant_mixed_bk:
             data[MIXED_BK_KEY] = True
-    if decode:
-        data["decode"] = {str(m): c.to_dict() for m, c in sorted(decode.items())}
     path.write_text(json.dumps(data, indent=1) + "\n")
     _load.cache_clear()
     return path
@@ -343,44 +310,3 @@ def lookup(key: ShapeKey, num_tokens: int, device: str, *, batch_invariant: bool
     if table is not None and table["configs"]:
         return table["configs"][nearest_key(table["configs"], num_tokens)]
     return default_config(key, num_tokens, sm_count)
-
-
-def default_decode_down(key: ShapeKey, num_tokens: int, sm_count: int = 132) -> GemmTile:
-    """Down tile of the decode path: grid (T, cdiv(H, BN)), each program streams K * I * BN weights.
-
-    The widest BN that still gives >= 2 programs per SM (the weight stream needs every SM in
-    flight; at T = 1 that is narrow tiles), never below 16 (the smallest dot N). BK keeps one
-    weight tile near 8-16 KB so a few pipeline stages keep enough bytes in flight per SM.
-    """
-    bn = 16
-    for cand in (128, 64, 32):
-        if num_tokens * math.ceil(key.hidden_size / cand) >= 2 * sm_count:
-            bn = cand
-            break
-    if key.dtype == "float32":  # the interpreter/CPU path: keep shared memory small
-        return GemmTile(block_n=min(bn, 32), block_k=32, num_warps=4, num_stages=1)
-    bk = 256 if bn <= 32 else 128
-    return GemmTile(block_n=bn, block_k=bk, num_warps=4, num_stages=3 if bk == 256 else 4)
-
-
-def decode_tuned(key: ShapeKey, num_tokens: int, device: str, *, directory: Path | None = None) -> bool:
-    """Whether the tuned table sends a batch of num_tokens tokens to the decode path.
-
-    The tuner writes a "decode" entry only for a T where the decode path beat the aligned one; a
-    batch follows the tuned T nearest to it (over both the aligned and the decode entries), so a
-    T between a decode winner and an aligned winner goes where its nearer neighbour went.
-    """
-    table = load_table(key, device, directory)
-    if table is None or not table["decode"]:
-        return False
-    return nearest_key(set(table["configs"]) | set(table["decode"]), num_tokens) in table["decode"]
-
-
-def decode_lookup(key: ShapeKey, num_tokens: int, device: str, *, sm_count: int = 132,
-                  directory: Path | None = None) -> DecodeConfig:
-    """Tiles of the decode path for num_tokens tokens (a tuned "decode" entry first, see the module doc)."""
-    table = load_table(key, device, directory)
-    if table is not None and table["decode"]:
-        return table["decode"][nearest_key(table["decode"], num_tokens)]
-    gu = lookup(key, num_tokens, device, sm_count=sm_count, directory=directory).gate_up
-    return DecodeConfig(gate_up=gu, down=default_decode_down(key, num_tokens, sm_count))
