@@ -123,8 +123,9 @@ def poisoned_like(t: torch.Tensor, pad_rows: int) -> torch.Tensor:
 def patch_interpreter_numerics() -> None:
     """Triton's interpreter only (tests, dry runs): make Triton 3.6's interpreter compute what the GPU does.
 
-    - tl.dot on bfloat16 operands: the interpreter stores bf16 as uint16 and multiplied those raw bit
-      patterns (np.matmul of the integers: results ~1e10 off). bf16 operands are decoded to f32 first (exact), as the GPU's bf16 MMA reads them.
+    - tl.dot on bfloat16 operands: the interpreter stores bf16 as uint16 and multiplies those raw bit
+      patterns (np.matmul of the integers: results ~1e10 off). bf16 operands are decoded to f32 first
+      (exact), as the GPU's bf16 MMA reads them.
     - f32 -> bf16 casts: the interpreter truncates (round toward zero: twice the GPU's rounding error,
       biased); torch's round to nearest even (the GPU's cvt.rn.bf16.f32) stands in.
     - f32 -> float8e4nv: the interpreter rounds by its cut-off bit alone (a mantissa carry corrupts the

@@ -4,9 +4,10 @@ Legend: T tokens, H hidden, E routed experts of the next layer, W prediction
 width (experts per token; may exceed K), L offloaded layers.
 
 After layer l routes, run layer l+1's router weight on layer l's input (one
-extra GEMV, `predict_next_ids`), rank by l+1's selection key, and take the best W per token as (l+1, expert)
-cache keys. The device ids are read back together with layer l's own routing
-ids (one read-back per layer, the one routing already needs), then:
+extra GEMV, `predict_next_ids`), rank by l+1's selection key, and take the best
+W per token as (l+1, expert) cache keys. The device ids are read back together
+with layer l's own routing ids (one read-back per layer, the one routing already
+needs), then:
     - the cache protects them: a prefetch never evicts a wanted key, and the
       "predictive" policy spares them on demand misses too;
     - when prefetch is on, the missing ones are copied on the side stream while
