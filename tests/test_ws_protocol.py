@@ -1,17 +1,18 @@
-"""The synchronisation protocol of the warp-specialised Gluon GEMMs (moeflow/kernels/moe_gemm_ws.py),
+"""The synchronisation protocol of the warp-specialised Gluon fp8 gate_up (moeflow/kernels/moe_gemm_fp8_gluon.py),
 model-checked on the CPU.
 
-The kernels cannot run here, and a wrong phase or a missing arrival costs a hung GPU call. So this
-replays their protocol, step for step as the kernels issue it, against a model of the hardware's
-mbarriers (arrival counts, transaction bytes, parity waits that pass when the barrier's completed-phase
-count has the other parity) under thousands of random interleavings of the producer, the two consumers
-and the asynchronous copies, and asserts:
+The kernel cannot run here, and a wrong phase or a missing arrival costs a hung GPU call. So this replays its
+protocol, step for step as the kernel issues it, against a model of the hardware's mbarriers (arrival counts,
+transaction bytes, parity waits that pass when the barrier's completed-phase count has the other parity) under
+thousands of random interleavings of the producer, the two consumers and the asynchronous copies, and asserts:
   - no deadlock: every agent finishes;
-  - a consumer's wgmma reads a ring stage only when it holds this position's complete data (the TMA
-    boxes landed; for gate_up, the row copies are complete and were handed over);
-  - nothing overwrites a stage while a wgmma may still read it.
-It also shows why the ordering barrier is there: without it the protocol breaks (a parity wait of
-consumer 1 at kernel start passes on a fresh barrier).
+  - a consumer's wgmma reads a ring stage only when it holds this position's complete data (the TMA weight
+    boxes landed, the row copies complete and handed over);
+  - nothing overwrites a stage while a wgmma may still read it;
+  - a consumer reads the other's row maxima of the same tile (the two exchange slots a consumer, by the
+    tile's parity, are rewritten only after the other consumer has read them).
+Mutations of the protocol (one exchange slot a consumer, a stage freed before its wgmma is done, rows
+handed over before their copies complete) make it fail: the model can tell.
 """
 
 from __future__ import annotations
@@ -106,29 +107,27 @@ class Sim:
         self.reading[s].add(who)
 
 
-def tile_ids(tile, num_m, num_n, group_m):
-    in_group = group_m * num_n
-    first_m = (tile // in_group) * group_m
-    size_m = min(num_m - first_m, group_m)
-    return first_m + (tile % in_group) % size_m, (tile % in_group) // size_m
-
-
-def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: bool, order: bool = True,
-                 copy_depth: int = 2, coop: bool = False, skip_waits: bool = True):
-    """One CTA (program pid of nprogs) of moe_down_ws_kernel (gate_up=False) or moe_gate_up_ws_kernel.
-    Some tiles (chosen by the seed) are all padding: every agent skips them (moe_gemm_ws._ws_live).
-    coop: the cooperative schedule (both consumers read every live tile's stages, 64 rows each; the
-    empty barriers count 2; consumer 1 skips the wgmmas of tiles whose second half is padding, chosen by
-    the seed, but waits for each stage (skip_waits; False: the mutation without those waits) and frees it:
-    moe_gemm_ws._ws_skip_tile)."""
+def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, copy_depth: int = 2, xchg_slots: int = 2,
+                 free_early: bool = False, wait_copies: bool = True):
+    """One CTA (program pid of nprogs) of moe_gate_up_fp8_ws_kernel. Some tiles (chosen by the seed) are all
+    padding: every agent skips them (_ws_live). Mutations: xchg_slots 1 (each consumer's maxima in one slot
+    whatever the tile's parity), free_early (a consumer frees the stage before its wgmma is done),
+    wait_copies False (the producer hands a stage over without waiting for its row copies)."""
     sim = Sim(stages, seed)
-    ready = [Barrier(2 if gate_up else 1) for _ in range(stages)]
-    empty = [Barrier(2 if coop else 1) for _ in range(stages)]
-    orders = [Barrier(1), Barrier(1)]
+    ready = [Barrier(2) for _ in range(stages)]  # the weight copies' expect + the rows' hand-over
+    empty = [Barrier(2) for _ in range(stages)]  # both consumers free every stage
+    xchg = Barrier(2)
+    xbuf = {}  # exchange slot -> (tile index j, consumer) whose maxima it holds
     tiles = list(range(pid, n_tiles_total, nprogs))
     dead = {t for t in tiles if random.Random(seed * 7919 + t).random() < 0.25}
 
-    def producer():
+    def wait_rows(pos):
+        # cp.async.wait_group: the producer's own row copies of position pos have landed
+        while wait_copies and ("rows" not in sim.landed[pos % stages] or sim.data[pos % stages] != pos):
+            assert sim.data[pos % stages] == pos, "row copies of a position overwritten before hand-over"
+            yield ("wait", _Landed(sim, pos), 0)
+
+    def producer():  # _fp8_ws_gate_up_load
         c = 0
         for tile in tiles:
             if tile in dead:
@@ -136,75 +135,52 @@ def run_protocol(n_tiles_total, k_tiles, stages, nprogs, pid, seed, gate_up: boo
             for _kt in range(k_tiles):
                 s = c % stages
                 yield ("wait", empty[s], ((c // stages) & 1) ^ 1)
-                if gate_up:
-                    ready[s].expect(2)
-                    sim.fill(s, c, "gate", ready[s], 1)
-                    sim.fill(s, c, "up", ready[s], 1)
-                    # cp.async rows: land at some time; handed over copy_depth stages later
-                    sim.fill(s, c, "rows", None, 0)
-                    yield None
-                    done = c - copy_depth
-                    if done >= 0:
-                        yield from wait_rows(done)
-                        ready[done % stages].arrive()
-                else:
-                    ready[s].expect(2)
-                    sim.fill(s, c, "act", ready[s], 1)
-                    sim.fill(s, c, "w", ready[s], 1)
+                ready[s].expect(4)
+                for box in ("gate0", "up0", "gate1", "up1"):
+                    sim.fill(s, c, box, ready[s], 1)
+                sim.fill(s, c, "rows", None, 0)  # cp.async: lands at some time, no barrier
                 yield None
-                c += 1
-        if gate_up:
-            for d in range(copy_depth):
-                done = c - copy_depth + d
+                done = c - copy_depth  # _ws_rows_hand_over
                 if done >= 0:
                     yield from wait_rows(done)
                     ready[done % stages].arrive()
+                yield None
+                c += 1
+        for d in range(copy_depth):  # _ws_rows_drain
+            done = c - copy_depth + d
+            if done >= 0:
+                yield from wait_rows(done)
+                ready[done % stages].arrive()
 
-    def wait_rows(pos):
-        # cp.async.wait_group: the producer's own row copies of position pos have landed
-        while "rows" not in sim.landed[pos % stages] or sim.data[pos % stages] != pos:
-            assert sim.data[pos % stages] == pos, "row copies of a position overwritten before hand-over"
-            yield ("wait", _Landed(sim, pos), 0)
-
-    def consumer(which):
-        i = 0
-        parts = {"gate", "up", "rows"} if gate_up else {"act", "w"}
+    def consumer(which):  # _fp8_ws_gate_up_mma
+        who = f"consumer {which}"
+        parts = {"gate0", "up0", "gate1", "up1", "rows"}
         live = [t for t in tiles if t not in dead]
-        for j, tile in enumerate(live):
+        for j, _tile in enumerate(live):
             c = j * k_tiles
-            if coop and which == 1 and random.Random(seed * 104729 + tile).random() < 0.3:
-                for _kt in range(k_tiles):  # a padding half: no wgmma, the stages freed in turn
-                    s = c % stages
-                    if skip_waits:
-                        yield ("wait", ready[s], (c // stages) & 1)
-                    empty[s].arrive()
-                    yield None
-                    c += 1
-                continue
-            if not coop and j % 2 != which:
-                continue
-            if order and not coop and (which == 1 or i > 0):
-                yield ("wait", orders[1 - which], (i + which - 1) & 1)
-            prev = None
-            for kt in range(k_tiles):
+            for _kt in range(k_tiles):  # _fp8_ws_gate_up_half
                 s = c % stages
                 yield ("wait", ready[s], (c // stages) & 1)
-                sim.read(s, c, parts, f"consumer {which}")
+                sim.read(s, c, parts, who)
+                if free_early:
+                    empty[s].arrive()
                 yield None
-                # wgmma_wait(1): the previous step's wgmma is done; release its stage
-                if prev is not None:
-                    sim.reading[prev].discard(f"consumer {which}")
-                if kt > 0:
-                    empty[(c + stages - 1) % stages].arrive()
-                prev = s
+                sim.reading[s].discard(who)  # warpgroup_mma_wait(0)
+                if not free_early:
+                    empty[s].arrive()
+                yield None
                 c += 1
-            if order and not coop:
-                orders[which].arrive()
-            i += 1
+            # _fp8_ws_group_amax: own maxima into slot (j parity, which), arrive, wait for tile j's phase,
+            # then the other's slot
+            slot = ((j & 1) * 2 if xchg_slots == 2 else 0) + which
+            xbuf[slot] = (j, which)
+            xchg.arrive()
+            yield ("wait", xchg, j & 1)
             yield None
-            sim.reading[prev].discard(f"consumer {which}")  # wgmma_wait(0)
-            empty[(c + stages - 1) % stages].arrive()
-            yield None  # epilogue
+            other = slot + 1 - 2 * which
+            assert xbuf.get(other) == (j, 1 - which), (
+                f"{who} at tile {j} reads slot {other} holding {xbuf.get(other)}")
+            yield None  # the quantized stores
 
     sim.run({"producer": producer(), "consumer 0": consumer(0), "consumer 1": consumer(1)})
 
@@ -226,42 +202,32 @@ CASES = [  # (tiles in the grid, K steps a tile, ring stages, programs, this pro
 ]
 
 
-@pytest.mark.parametrize("gate_up", [False, True], ids=["down", "gate_up"])
 @pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_protocol_has_no_race_and_no_deadlock(case, gate_up):
+def test_protocol_has_no_race_and_no_deadlock(case):
     n_tiles, k_tiles, stages, nprogs, pid = case
     for seed in range(150):
-        run_protocol(n_tiles, k_tiles, stages, nprogs, pid, seed, gate_up)
+        run_protocol(n_tiles, k_tiles, stages, nprogs, pid, seed)
 
 
-@pytest.mark.parametrize("gate_up", [False, True], ids=["down", "gate_up"])
-@pytest.mark.parametrize("case", CASES, ids=[str(c) for c in CASES])
-def test_cooperative_protocol_has_no_race_and_no_deadlock(case, gate_up):
-    n_tiles, k_tiles, stages, nprogs, pid = case
-    for seed in range(150):
-        run_protocol(n_tiles, k_tiles, stages, nprogs, pid, seed, gate_up, coop=True)
-
-
-def test_cooperative_skip_must_wait_for_each_stage():
-    """Consumer 1 freeing a padding half's stages without waiting for their fills: its arrivals can
-    complete a phase of "empty" that consumer 0 has not freed, and the producer overwrites a stage under
-    consumer 0's wgmma (or the model deadlocks)."""
+def _failures(seeds: int, k_tiles: int = 3, **mutation) -> int:
     failures = 0
-    for seed in range(300):
+    for seed in range(seeds):
         try:
-            run_protocol(9, 4, 4, 1, 0, seed, False, coop=True, skip_waits=False)
+            run_protocol(7, k_tiles, 4, 1, 0, seed, **mutation)
         except AssertionError:
             failures += 1
-    assert failures > 0
+    return failures
 
 
-def test_without_the_ordering_barrier_consumer_1_reads_early():
-    """The ordering barrier is needed: without it some interleaving lets consumer 1 pass a parity wait on
-    a fresh (or one-lap-old) ready barrier and read a stage before its data (or deadlocks)."""
-    failures = 0
-    for seed in range(200):
-        try:
-            run_protocol(6, 12, 6, 1, 0, seed, False, order=False)
-        except AssertionError:
-            failures += 1
-    assert failures > 0
+def test_one_exchange_slot_lets_a_consumer_overwrite_maxima_not_yet_read():
+    """Each consumer's maxima in one slot: a consumer that has passed tile j's exchange runs on and writes
+    tile j + 1's maxima while the other still has tile j's to read (short K loops: the run-ahead is short)."""
+    assert _failures(300, k_tiles=1, xchg_slots=1) > 0
+
+
+def test_freeing_a_stage_before_the_wgmma_is_done_lets_the_producer_overwrite_it():
+    assert _failures(300, free_early=True) > 0
+
+
+def test_handing_rows_over_before_their_copies_complete_lets_a_wgmma_read_them_early():
+    assert _failures(300, wait_copies=False) > 0

@@ -64,14 +64,6 @@ ALIGN_SUB = 32
 ALIGN_BLOCKS = 16
 # Chunk histograms summed together by the place kernel ([ROWS, E_PAD] loads).
 ALIGN_ROWS = 16
-# Place a chunk's pairs by one sort (tl.sort + tl.gather) instead of CHUNK / SUB serial one-hot
-# steps; same layout. None: sorted on the GPU, serial steps under the Triton interpreter (whose
-# tl.sort is ~7x slower there than the steps). benchmarks/diag_align.py times both.
-ALIGN_SORTED: bool | None = None
-
-
-def _sorted_scatter() -> bool:
-    return ALIGN_SORTED if ALIGN_SORTED is not None else not INTERPRETED
 
 
 @triton.jit
@@ -297,6 +289,10 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     scratch: int32 [>= num_chunks * E_PAD] for the multi-kernel schedule's chunk histograms
         (allocated if None).
     pdl: launch with programmatic dependent launch (moeflow/kernels/pdl.py; the caller checked pdl_for).
+
+    A chunk's pairs are placed by one sort (tl.sort + tl.gather: SORTED) on the GPU and by CHUNK / SUB
+    serial one-hot steps under the Triton interpreter, whose tl.sort is ~7x slower there than the steps;
+    the layout is the same either way.
     """
     import torch
 
@@ -315,12 +311,12 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
         return
     if n <= ALIGN_FUSED_MAX:
         # decode: a histogram as wide as the pairs (a few buckets, few compiles); the sorted
-        # placement sorts all pairs at once, so only where they fit one chunk
+        # placement (SORTED) sorts all pairs at once, so only where they fit one chunk
         chunk = 64 if n <= 64 else min(_next_pow2(n), 4096)
         moe_align_fused_kernel[(1,)](
             ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
-            SORTED=_sorted_scatter() and chunk >= n, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+            SORTED=not INTERPRETED and chunk >= n, num_warps=warps, PDL=pdl, launch_pdl=pdl,
         )
         return
     chunk = align_chunk(n)
@@ -333,5 +329,5 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
                                           PDL=pdl, launch_pdl=pdl)
     moe_align_place_kernel[(num_chunks,)](ids_N, counts, sorted_P, block_expert_B, n, num_experts, num_chunks,
                                           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB,
-                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=_sorted_scatter(),
+                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=not INTERPRETED,
                                           num_warps=warps, PDL=pdl, launch_pdl=pdl)

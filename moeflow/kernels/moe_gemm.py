@@ -69,17 +69,14 @@ def _activate(g, u, limit, alpha, ACT: tl.constexpr):
 
 @triton.jit
 def gate_up_rows(
-    x_ptr, tok, row_ok, a_scale, w_base, b_base, pid_n, H, I, stride_xt, stride_wn, stride_wk, limit, alpha,
-    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, SCALE_A: tl.constexpr,
-    EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
+    x_ptr, tok, row_ok, w_base, b_base, pid_n, H, I, stride_xt, stride_wn, stride_wk, limit, alpha,
+    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
+    PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """act [BM, BN] f32 = act(x[tok] @ W_gu (+ b_gu)) for columns pid_n*BN.. of I, rows masked by row_ok.
 
     tok: int64 [BM] token row of each tile row; w_base / b_base: this expert's gate_up and bias.
-    SCALE_A (llama4's weight on the input): each row of x is scaled by a_scale [BM] (f32 holding
-    a value of x's dtype) and rounded to x's dtype before the dot, as the HF module rounds it.
-    Shared by the aligned kernel below and the decode kernel (moe_decode.py): one gate_up body.
     """
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -97,8 +94,6 @@ def gate_up_rows(
                 k_ok = offs_k + k0 < H
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
-            if SCALE_A:
-                a = (a.to(tl.float32) * a_scale[:, None]).to(a.dtype)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
@@ -122,8 +117,6 @@ def gate_up_rows(
                 a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
                 wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
                 wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-            if SCALE_A:
-                a = (a.to(tl.float32) * a_scale[:, None]).to(a.dtype)
             g = tl.dot(a, wg, g, input_precision=PRECISION)
             u = tl.dot(a, wu, u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
@@ -156,8 +149,8 @@ def _gate_up_block(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, e, p0, pid_n, num_p
     pair = tl.load(sorted_ptr + offs_p)
     row_ok = pair < num_pairs
     tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
-    out = gate_up_rows(x_ptr, tok, row_ok, 0.0, w_ptr + e * stride_we, b_ptr + e * stride_be, pid_n, H, I,
-                       stride_xt, stride_wn, stride_wk, limit, alpha, ACT, INTERLEAVED, HAS_BIAS, False, EVEN_K,
+    out = gate_up_rows(x_ptr, tok, row_ok, w_ptr + e * stride_we, b_ptr + e * stride_be, pid_n, H, I,
+                       stride_xt, stride_wn, stride_wk, limit, alpha, ACT, INTERLEAVED, HAS_BIAS, EVEN_K,
                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]

@@ -26,7 +26,7 @@ import triton.language as tl
 
 from .moe_gemm import _activate, _tile_ids
 from .moe_gemm_quant import _fp8_quant_store, _fp8_row_scale
-from .moe_gemm_tma import _used_blocks, split_gate_up8
+from .moe_gemm_tma import split_gate_up8
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -103,25 +103,6 @@ def _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e,
                      stride_as, I, BLOCK_M, BLOCK_N, BLOCK_K)
 
 
-@triton.jit
-def _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I,
-                      top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
-                      stride_as, limit, alpha, ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, NUM_PROGS: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-                      FUSED: tl.constexpr, IMPRECISE: tl.constexpr):
-    """The persistent fp8 gate_up as one flattened loop over (work tile, K step), as _fp8_down_flat: the
-    activation, quantization and store of one tile overlap the next tile's first copies. The used
-    blocks only; the same bits as _fp8_gate_up_rows per tile."""
-    used = _used_blocks(block_expert_ptr, num_m, 1024)
-    n_n = tl.cdiv(I, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), used * n_n, NUM_PROGS, flatten=True):
-        pid_m, pid_n = _tile_ids(tile, used, n_n, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
-        _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e, pid_m, pid_n, num_pairs, H, I,
-                          top_k, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk, stride_aq,
-                          stride_as, limit, alpha, ACT, SCALE_E8M0, BLOCK_M, BLOCK_N, BLOCK_K, FUSED, IMPRECISE)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
 def moe_gate_up_fp8_tma_kernel(
     xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr,
@@ -130,23 +111,16 @@ def moe_gate_up_fp8_tma_kernel(
     ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     PDL: tl.constexpr = False, FUSED: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
-    FLAT: tl.constexpr = False,
 ):
     """aq_PI / as_PG like moe_gemm_quant.moe_gate_up_fp8_kernel (QUANT_OUT, SCALAR_WS).
 
     wd: TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the
     5D view [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
-    FLAT (with PERSISTENT): _fp8_gate_up_flat's one flattened loop.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
-    if FLAT:
-        _fp8_gate_up_flat(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I,
-                          top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse, stride_wsn, stride_wsk,
-                          stride_aq, stride_as, limit, alpha, ACT, SCALE_E8M0, NUM_PROGS, BLOCK_M, BLOCK_N, BLOCK_K,
-                          GROUP_M, FUSED, IMPRECISE)
-    elif PERSISTENT:
+    if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             _fp8_gate_up_tile(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, block_expert_ptr, tile,
                               num_pairs, H, I, top_k, num_m, sbn, g_rows, stride_xq, stride_xs, stride_wse,
@@ -198,45 +172,22 @@ def _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, p0, pid_n, num_
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
 
 
-@triton.jit
-def _fp8_down_flat(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, sbn,
-                   stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0: tl.constexpr,
-                   NUM_PROGS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                   GROUP_M: tl.constexpr, IMPRECISE: tl.constexpr):
-    """The persistent fp8 down as one flattened loop over (work tile, K step): moe_gemm_tma._down_flat's
-    reasons, stronger here (qwen3's I = 768 is 6 steps of BK 128). The used blocks only (a prefix), the
-    same rows and K order as _fp8_down_rows: the same bits."""
-    used = _used_blocks(block_expert_ptr, num_m, 1024)
-    n_n = tl.cdiv(H, BLOCK_N)
-    for tile in tl.range(tl.program_id(0), used * n_n, NUM_PROGS, flatten=True):
-        pid_m, pid_n = _tile_ids(tile, used, n_n, GROUP_M)
-        e = tl.load(block_expert_ptr + pid_m)
-        _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, pid_m * BLOCK_M, pid_n, num_pairs, H, I, sbn,
-                       stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0, BLOCK_M, BLOCK_N,
-                       BLOCK_K, IMPRECISE)
-
-
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])
 def moe_down_fp8_tma_kernel(
     ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr,
     num_pairs, H, I, num_m, num_tiles, sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn,
     SCALE_E8M0: tl.constexpr, PERSISTENT: tl.constexpr, NUM_PROGS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    PDL: tl.constexpr = False, IMPRECISE: tl.constexpr = None, FLAT: tl.constexpr = False,
+    PDL: tl.constexpr = False, IMPRECISE: tl.constexpr = None,
 ):
     """y_NH[pair] like moe_gemm_quant.moe_down_fp8_kernel with one split (SCALAR_WS).
 
     ad: TensorDescriptor over aq_PI [P, I] e4m3, block [BM, BK]; wd: over down viewed [E * H, I],
     block [BN, BK]. Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * H / BN.
-    FLAT (with PERSISTENT): _fp8_down_flat's one flattened loop.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
-    if FLAT:
-        _fp8_down_flat(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num_m, sbn,
-                       stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0, NUM_PROGS,
-                       BLOCK_M, BLOCK_N, BLOCK_K, GROUP_M, IMPRECISE)
-    elif PERSISTENT:
+    if PERSISTENT:
         for tile in tl.range(tl.program_id(0), num_tiles, NUM_PROGS):
             _fp8_down_tile(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, block_expert_ptr, tile, num_pairs, H, I, num_m,
                            sbn, stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0,
