@@ -28,10 +28,3 @@ def interpreted() -> bool:
 
     return bool(knobs.runtime.interpret)
 
-
-def __getattr__(name: str):
-    # INTERPRETED: the same answer for the kernel modules that test it at import (they import Triton
-    # anyway); looked up at access, so importing this module imports no Triton.
-    if name == "INTERPRETED":
-        return interpreted()
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -377,7 +377,8 @@ def _act_args(config: MoEConfig) -> tuple[float, float]:
 def launch_align(plan: KernelPlan, st: StagePlan, b: StepBuffers, w, config) -> None:
     from ..kernels.moe_align import align_launch
 
-    align_launch(b.ids_N, b.E, plan.tiles.block_m, b.sorted_P, b.block_expert_B, pdl=plan.pdl)
+    align_launch(b.ids_N, b.E, plan.tiles.block_m, b.sorted_P, b.block_expert_B, pdl=plan.pdl,
+                 fast=plan.options.fast_launch)
 
 
 def launch_combine(plan: KernelPlan, st: StagePlan, b: StepBuffers, w, config) -> None:

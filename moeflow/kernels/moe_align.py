@@ -32,7 +32,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .._triton import INTERPRETED
+from .._triton import interpreted
 from .launch import fast_kernel
 from .pdl import pdl_trigger, pdl_wait
 
@@ -282,13 +282,14 @@ def align_chunk(n: int) -> int:
 
 
 def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B, scratch=None, *,
-                 pdl: bool = False) -> None:
+                 pdl: bool = False, fast: bool = True) -> None:
     """Fill sorted_P and block_expert_B (preallocated, see module docstring) from ids_N.
 
     ids_N: int32 [N] contiguous, on the GPU. No host sync; capturable in a CUDA graph.
     scratch: int32 [>= num_chunks * E_PAD] for the multi-kernel schedule's chunk histograms
         (allocated if None).
-    pdl: launch with programmatic dependent launch (moeflow/kernels/pdl.py; the caller checked pdl_for).
+    pdl: launch with programmatic dependent launch (moeflow/kernels/pdl.py; the kernel plan decided it).
+    fast: launch through the cached launchers (moeflow.kernels.launch); False: Triton's JIT binder.
 
     A chunk's pairs are placed by one sort (tl.sort + tl.gather: SORTED) on the GPU and by CHUNK / SUB
     serial one-hot steps under the Triton interpreter, whose tl.sort is ~7x slower there than the steps;
@@ -296,6 +297,10 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     """
     import torch
 
+    def k(kernel):
+        return kernel if fast else kernel.fn
+
+    sort = not interpreted()
     n = ids_N.numel()
     max_blocks = block_expert_B.numel()
     e_pad = _next_pow2(num_experts + 1)
@@ -305,7 +310,7 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
         # decode: no histogram over E, one [NP, NP] comparison (moe_align_small_kernel)
         np_ = max(16, _next_pow2(n))
         warps, bb_elems = ALIGN_SMALL_LAUNCH.get(np_, (8, 8192))
-        moe_align_small_kernel[(1,)](ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
+        k(moe_align_small_kernel)[(1,)](ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
                                      BLOCK_M=block_m, NP=np_, FB=1024, BB=max(16, bb_elems // np_),
                                      num_warps=warps, PDL=pdl, launch_pdl=pdl)
         return
@@ -313,10 +318,10 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
         # decode: a histogram as wide as the pairs (a few buckets, few compiles); the sorted
         # placement (SORTED) sorts all pairs at once, so only where they fit one chunk
         chunk = 64 if n <= 64 else min(_next_pow2(n), 4096)
-        moe_align_fused_kernel[(1,)](
+        k(moe_align_fused_kernel)[(1,)](
             ids_N, sorted_P, block_expert_B, n, num_experts, max_blocks,
             BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB, BLOCKS=ALIGN_BLOCKS,
-            SORTED=not INTERPRETED and chunk >= n, num_warps=warps, PDL=pdl, launch_pdl=pdl,
+            SORTED=sort and chunk >= n, num_warps=warps, PDL=pdl, launch_pdl=pdl,
         )
         return
     chunk = align_chunk(n)
@@ -325,9 +330,9 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
         counts = torch.empty(num_chunks * e_pad, dtype=torch.int32, device=ids_N.device)
     else:
         counts = scratch[: num_chunks * e_pad]
-    moe_align_count_kernel[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4,
+    k(moe_align_count_kernel)[(num_chunks,)](ids_N, counts, n, num_experts, CHUNK=chunk, E_PAD=e_pad, num_warps=4,
                                           PDL=pdl, launch_pdl=pdl)
-    moe_align_place_kernel[(num_chunks,)](ids_N, counts, sorted_P, block_expert_B, n, num_experts, num_chunks,
+    k(moe_align_place_kernel)[(num_chunks,)](ids_N, counts, sorted_P, block_expert_B, n, num_experts, num_chunks,
                                           max_blocks, BLOCK_M=block_m, E_PAD=e_pad, CHUNK=chunk, SUB=ALIGN_SUB,
-                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=not INTERPRETED,
+                                          BLOCKS=ALIGN_BLOCKS, ROWS=ALIGN_ROWS, SORTED=sort,
                                           num_warps=warps, PDL=pdl, launch_pdl=pdl)
