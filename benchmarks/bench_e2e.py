@@ -23,8 +23,7 @@ is the rest of the model's wall time, a floor no MoE implementation beats in eag
 name X is `moeflow.patch_model(model, experts=X)` before the point and `moeflow.unpatch_model(model)`
 after it (the weights are shared, never copied). patch_model replays every MoE step from a CUDA graph
 cached per token count (`layer_graphs=True`, its default: the timed repeats replay); "X+eager" patches
-with `layer_graphs=False` (every step eager); "X+graphs" is X, named explicitly (results before the
-default changed on 2026-12-03 used it).
+with `layer_graphs=False` (every step eager); "X+graphs" is X with its graphs named explicitly.
 
 Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok / error / n/a):
     prefill_tok_s, prefill_ms     one forward of batch 1, seq T, use_cache=False, logits_to_keep=1

@@ -4,26 +4,26 @@ Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate pe
 
 For each standard shape (shared/spec/benchmarks.md), each T and each routing (uniform, Zipf 1.2),
 on the same bf16 weights and inputs:
-    moeflow        TritonExperts().forward_tokens, eager and under CUDA-graph replay
-    moeflow_bi     TritonExperts(batch_invariant=True), eager and graph (the mode's cost)
-    moeflow_4l     where `moeflow` takes the two-launch decode path (--decode-max-pairs 64; off
-                   by default in the library): the aligned 4-launch path
-                   (TritonExperts(decode_max_pairs=0)), eager and graph, for old-vs-new
+    moeflow        TritonExperts(options=...).forward_tokens, eager and under CUDA-graph replay;
+                   the options from --tma / --pdl / --no-fast-launch / --pin (benchmarks.common.kernel_options:
+                   `--pin gate_up=tma_gather_x` times that variant wherever it serves, an A/B against a run
+                   without it)
+    moeflow_bi     TritonExperts(batch_invariant=True, options=...), eager and graph (the mode's cost)
     hf_eager / hf_batched_mm / hf_grouped_mm
                    the transformers experts module of the family (MixtralExperts, GptOssExperts)
                    with config._experts_implementation set, sharing our weight tensors
     vllm           (--vllm) vLLM 0.33's Triton fused MoE kernel with its H200 tile tables
                    (benchmarks/peers/vllm_fused_moe.py: what it runs, and its stand-ins), eager and
-                   graph; vs_vllm = its graph time / ours (issue 16 item 3)
+                   graph; vs_vllm = its graph time / ours
     torch_gmm      two torch grouped GEMMs (+ activation) on tokens already permuted by expert:
                    the best a user gets from plain PyTorch (no routing, permutation or combine)
 Every implementation is checked against an fp32 reference (rel-L2 <= 2e-2) before it is timed;
-a wrong one is reported and not timed. --rotation: the graph rows of moeflow, moeflow_bi, moeflow_4l
-and vllm at a point are timed round-robin (benchmarks.common.time_cuda_graphs_interleaved, --rotation
-passes) rather than one implementation after another. Why (H100, 2026-12-06, RESULTS.md): timed one after
-the other, the default and the batch-invariant mode ran the same kernels on the same inputs 6.7% and
-12% apart at two points. Times are medians of >= 20 CUDA-event timings with L2
-flushed before each (256 MB write) so weights come from HBM.
+a wrong one is reported and not timed. --rotation: the graph rows of moeflow, moeflow_bi and vllm at a
+point are timed round-robin (benchmarks.common.time_cuda_graphs_interleaved, --rotation passes) rather
+than one implementation after another. Why: timed one after the other on an H100, the default and the
+batch-invariant mode ran the same kernels on the same inputs 6.7% and 12% apart at two points (the
+power-capped clock drifts; `--rotation 5` puts the drift on every implementation alike). Times are
+medians of >= 20 CUDA-event timings with L2 flushed before each (256 MB write) so weights come from HBM.
 
 Roofs measured in the same run: HBM = the fastest read-only stream over 2 GiB, bytes read / time
 (benchmarks.common.hbm_read_roof_detail: torch.sum, torch.amax and benchmarks/stream_read.py's
@@ -56,11 +56,14 @@ if str(ROOT) not in sys.path:
 
 from benchmarks.common import (  # noqa: E402
     STANDARD_TOKENS,
+    add_kernel_options_args,
     compute_roof_flops,
     env_info,
     format_table,
     hbm_read_roof_detail,
     hbm_roof_bytes_per_s,
+    kernel_options,
+    options_record,
     time_cpu,
     time_cuda,
     time_cuda_graph,
@@ -289,13 +292,10 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
 
     # --rotation: name -> (fn, extra row fields) of the implementations whose graphs are timed round-robin
     rotation = {} if getattr(args, "rotation", 0) else None
-    ours = TritonExperts(allow_cpu=dev.type == "cpu", decode_max_pairs=args.decode_max_pairs)
-    impls = [("moeflow", ours)]
-    base["path"] = "decode" if ours.uses_decode_path(T, K, E, w) else "aligned"
-    if base["path"] == "decode" and not args.no_old:
-        impls.append(("moeflow_4l", TritonExperts(decode_max_pairs=0, allow_cpu=dev.type == "cpu")))
+    cpu = dev.type == "cpu"
+    impls = [("moeflow", TritonExperts(allow_cpu=cpu, options=args.options))]
     if not args.no_bi:
-        impls.append(("moeflow_bi", TritonExperts(batch_invariant=True, allow_cpu=dev.type == "cpu")))
+        impls.append(("moeflow_bi", TritonExperts(batch_invariant=True, allow_cpu=cpu, options=args.options)))
     for name, impl in impls:
         def fn(impl=impl):
             return impl.forward_tokens(x, ids, wts, w, cfg)
@@ -312,8 +312,12 @@ def bench_point(spec, w, cfg, T, dist, roofs, args, timers) -> list[dict]:
             except Exception as e:
                 row["status"] = f"error: {type(e).__name__}: {str(e)[:160]}"
             rows.append(row)
-        rows[-1]["tiles"] = (impl.decode_config_for(w, K, T) if impl.uses_decode_path(T, K, E, w)
-                             else impl.tile_config_for(w, K, T)).to_dict()
+        try:  # what ran (the options' pins too); a pin the plan refuses here is in the row's status already
+            plan = impl.plan(w, T, K, activation=spec["activation"])
+            rows[-1]["variants"] = {st.stage: st.variant for st in plan.stages}
+            rows[-1]["tiles"] = plan.tiles.to_dict()
+        except ValueError as e:
+            rows[-1]["plan_error"] = str(e)[:200]
         if name == "moeflow_bi" and T > 1:
             # batch invariance, checked where it is timed: token 0 alone == token 0 in this batch
             alone = impl.forward_tokens(x[:1], ids[:1], wts[:1], w, cfg)
@@ -368,8 +372,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     out = {}
     for r in rows:
         k = (r["shape"], r["routing"], r["T"])
-        s = out.setdefault(k, dict(shape=r["shape"], routing=r["routing"], T=r["T"], path=r.get("path", ""),
-                                   floor_us=r["floor_s"] * 1e6, floor=r["floor_kind"]))
+        s = out.setdefault(k, dict(shape=r["shape"], routing=r["routing"], T=r["T"], floor_us=r["floor_s"] * 1e6,
+                                   floor=r["floor_kind"]))
         if "time_s" not in r:
             if r["status"].startswith(("WRONG", "error")):
                 s.setdefault("notes", []).append(f"{r['impl']}: {r['status'][:60]}")
@@ -379,7 +383,6 @@ def summarize(rows: list[dict]) -> list[dict]:
             s["bi_bitwise"] = r["bi_bitwise_vs_T1"]
         key = {("moeflow", "eager"): "ours_us", ("moeflow", "graph"): "ours_graph_us",
                ("moeflow_bi", "eager"): "bi_us", ("moeflow_bi", "graph"): "bi_graph_us",
-               ("moeflow_4l", "eager"): "old_us", ("moeflow_4l", "graph"): "old_graph_us",
                ("vllm", "eager"): "vllm_us", ("vllm", "graph"): "vllm_graph_us"}.get((r["impl"], r["mode"]))
         if key:
             s[key] = us
@@ -392,10 +395,6 @@ def summarize(rows: list[dict]) -> list[dict]:
         best_ours = s.get("ours_graph_us", s.get("ours_us"))
         if best_ours:
             s["roof_frac"] = s["floor_us"] / best_ours
-        old = s.get("old_graph_us", s.get("old_us"))
-        if best_ours and old:
-            s["old_roof_frac"] = s["floor_us"] / old
-            s["speedup_vs_old"] = old / best_ours
         if "ours_us" in s and "best_hf_us" in s:
             s["vs_hf"] = s["best_hf_us"] / s["ours_us"]
             if "ours_graph_us" in s:
@@ -414,8 +413,7 @@ def summarize(rows: list[dict]) -> list[dict]:
     return lines
 
 
-SUMMARY_COLUMNS = ["shape", "routing", "T", "path", "floor", "floor_us", "ours_us", "ours_graph_us", "roof_frac",
-                   "old_us", "old_graph_us", "old_roof_frac", "speedup_vs_old",
+SUMMARY_COLUMNS = ["shape", "routing", "T", "floor", "floor_us", "ours_us", "ours_graph_us", "roof_frac",
                    "bi_graph_us", "bi_cost", "bi_bitwise", "vllm_graph_us", "vllm_roof_frac", "vs_vllm", "best_hf", "best_hf_us", "vs_hf", "vs_hf_graph", "torch_gmm_us",
                    "notes"]
 
@@ -431,10 +429,8 @@ def main(argv=None) -> int:
     ap.add_argument("--no-graph", action="store_true")
     ap.add_argument("--no-bi", action="store_true", help="skip the batch-invariant mode")
     ap.add_argument("--rotation", type=int, default=0, metavar="PASSES",
-                    help="time the graphs of ours, bi, 4l and vllm round-robin in PASSES passes (0: one after another)")
-    ap.add_argument("--no-old", action="store_true", help="skip the aligned path at decode-path points")
-    ap.add_argument("--decode-max-pairs", type=int, default=None,
-                    help="TritonExperts(decode_max_pairs=...) for `moeflow` (default: the library default)")
+                    help="time the graphs of ours, bi and vllm round-robin in PASSES passes (0: one after another)")
+    add_kernel_options_args(ap)
     ap.add_argument("--no-gmm", action="store_true", help="skip the torch grouped-GEMM baseline")
     ap.add_argument("--vllm", action="store_true",
                     help="also run vLLM 0.33's Triton fused MoE (benchmarks/peers/vllm_fused_moe.py), eager and graph")
@@ -444,6 +440,7 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, fp32")
     args = ap.parse_args(argv)
+    args.options = kernel_options(args)
     if args.rotation < 0:
         ap.error(f"--rotation {args.rotation}: expected the number of round-robin passes, >= 0 (0: off)")
     t0 = time.time()
@@ -481,7 +478,8 @@ def main(argv=None) -> int:
         # --rotation passes, each timing every graph max(1, reps // passes) times: about reps timings each
         timers["rotation"] = lambda fns: time_cuda_graphs_interleaved(
             fns, rounds=max(1, args.rotation), reps=max(1, args.reps // max(1, args.rotation)), flush=True)
-    meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: shape_spec(n) for n in names})
+    meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: shape_spec(n) for n in names},
+                kernel_options=options_record(args.options))
     print(f"roofs: HBM read {roofs['hbm'] / 1e12:.3f} TB/s ({roofs['hbm_reader']}; copy, read + write: "
           f"{roofs['hbm_copy'] / 1e12:.3f} TB/s), "
           f"compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
@@ -500,10 +498,10 @@ def main(argv=None) -> int:
                 pts = bench_point(spec, w, cfg, T, dist, roofs, args, timers)
                 rows += pts
                 s = summarize(pts)[0]
-                print(f"[{time.time() - t0:6.1f}s] {name:14s} {dist:7s} T={T:5d} {s['path']:7s} floor "
+                print(f"[{time.time() - t0:6.1f}s] {name:14s} {dist:7s} T={T:5d} floor "
                       f"{s['floor_us']:8.1f}us ours {s.get('ours_us', float('nan')):8.1f} graph "
                       f"{s.get('ours_graph_us', float('nan')):8.1f} roof {s.get('roof_frac', float('nan')):.2f} "
-                      f"old graph {s.get('old_graph_us', float('nan')):8.1f} roof {s.get('old_roof_frac', float('nan')):.2f} bi {s.get('bi_cost', float('nan')):+.2f} "
+                      f"bi {s.get('bi_cost', float('nan')):+.2f} "
                       f"vllm graph {s.get('vllm_graph_us', float('nan')):8.1f} x{s.get('vs_vllm', float('nan')):.2f} "
                       f"hf {s.get('best_hf', '-')} {s.get('best_hf_us', float('nan')):8.1f} "
                       f"gmm {s.get('torch_gmm_us', float('nan')):8.1f} {s['notes']}", flush=True)

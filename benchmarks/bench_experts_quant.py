@@ -25,9 +25,14 @@ Per shape:
                         weights the quantized ones were made from (same routing), each a CUDA graph,
                         timed round-robin in one rotation (benchmarks.common.time_cuda_graphs_interleaved:
                         the power-capped clocks of compute-bound steps drift between impls timed one
-                        after another; 2026-12-04 the eager, sequential FP8 row read 0.98x bf16 where one
+                        after another: on an H200 the eager, sequential FP8 row read 0.98x bf16 where one
                         rotation gave 0.75x); speedup = bf16 time / quantized time; compute floor
                         2*3*H*I*T*K FLOP over the bf16 mm roof.
+    options             --tma / --pdl / --no-fast-launch / --pin STAGE=VARIANT (benchmarks.common.kernel_options)
+                        choose the KernelOptions of the quantized impls (the bf16 one takes them without
+                        the pins, whose names are the quantized variants': fp8_pointer, fp8_tma, fp8_gluon,
+                        w4_pointer, w4_gemv). A/B of a variant: the same command with and without its pin;
+                        a point where the pinned variant does not serve says why in its status.
     error               every timed point is checked first against the dequantized-f32 reference
                         (weight-only: `w.dequantize(float32)` on f32 rows, one expert at a time); fp8
                         also against the W8A8 reference (activations quantized per token per 128 as
@@ -38,13 +43,15 @@ the fastest read-only stream over 2 GiB, its reader recorded as hbm_reader) and 
 device copy (read + write bytes / time); compute = 8192^3 bf16 mm.
 
     PYTHONPATH=. python benchmarks/bench_experts_quant.py --out benchmarks/results/bench_experts_quant_h200.json
-    PYTHONPATH=. python benchmarks/bench_experts_quant.py --shapes deepseek-v3 --tokens 1,8 --no-prefill
+    PYTHONPATH=. python benchmarks/bench_experts_quant.py --shapes deepseek-v3 --decode 1,8 --no-prefill
+    PYTHONPATH=. python benchmarks/bench_experts_quant.py --shapes deepseek-v3 --decode '' --pin gate_up=fp8_tma
     TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/bench_experts_quant.py --dry-run   # CPU check of the script
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import math
@@ -59,11 +66,14 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import (  # noqa: E402
+    add_kernel_options_args,
     compute_roof_flops,
     env_info,
     format_table,
     hbm_read_roof_detail,
     hbm_roof_bytes_per_s,
+    kernel_options,
+    options_record,
     time_cpu,
     time_cuda,
     time_cuda_graph,
@@ -78,9 +88,10 @@ _SILU_LINEAR = FAMILY["deepseek-v3"]
 _GPTOSS = FAMILY["gpt-oss-120b"]
 SHAPES = {
     "deepseek-v3": dict(H=7168, I=2048, E=256, K=8, fmt="fp8", **_SILU_LINEAR),
-    # Qwen3-30B-A3B-FP8 (128 x 128 blocks): small experts, the other FP8 prefill shape of issue 16's set
+    # Qwen3-30B-A3B-FP8 (128 x 128 blocks): small experts, the other FP8 prefill shape
     "qwen3-30b-a3b-fp8": dict(H=2048, I=768, E=128, K=8, fmt="fp8", **_SILU_LINEAR),
-    # Qwen3-235B-A22B-FP8 and GLM-4.5-FP8: the FP8 shapes between those two in H (FP8_WS_GATE_UP's rule)
+    # Qwen3-235B-A22B-FP8 and GLM-4.5-FP8: the FP8 shapes between those two in H (where the fp8 gate_up's
+    # variant rule, moeflow.tuning.rules fp8_gluon_gate_up_min_hidden, sits)
     "qwen3-235b-a22b-fp8": dict(H=4096, I=1536, E=128, K=8, fmt="fp8", **_SILU_LINEAR),
     "glm-4.5-fp8": dict(H=5120, I=1536, E=160, K=8, fmt="fp8", **_SILU_LINEAR),
     # NVIDIA's NVFP4 (ModelOpt) checkpoints: DeepSeek-R1-FP4 (deepseek-v3's layer) and Qwen3-30B-A3B-FP4
@@ -223,9 +234,10 @@ def bench_shape(name: str, spec: dict, args, roofs: dict, timers: dict, dev, act
           f"{plain.nbytes / 2**30:.2f} GiB {str(act_dtype).split('.')[-1]}) in {time.time() - tb:.1f}s", flush=True)
     E, K, H, I = spec["E"], spec["K"], spec["H"], spec["I"]
     cpu = dev.type == "cpu"
-    quant = TritonQuantExperts(allow_cpu=cpu, fp8=True)
-    quant_bi = TritonQuantExperts(batch_invariant=True, allow_cpu=cpu, fp8=True)
-    bf16 = TritonExperts(allow_cpu=cpu)
+    opts = args.options
+    quant = TritonQuantExperts(allow_cpu=cpu, fp8=True, options=opts)
+    quant_bi = TritonQuantExperts(batch_invariant=True, allow_cpu=cpu, fp8=True, options=opts)
+    bf16 = TritonExperts(allow_cpu=cpu, options=dataclasses.replace(opts, pin=()))
     w8a8 = spec["fmt"] == "fp8"
     rows: list[dict] = []
     tokens = [("decode", T) for T in args.decode] + [("prefill", T) for T in args.prefill]
@@ -272,9 +284,12 @@ def bench_shape(name: str, spec: dict, args, roofs: dict, timers: dict, dev, act
                     row["status"] = f"WRONG (rel-L2 {check:.3g} > {args.check_rel_l2}): not timed"
                     rows.append(row)
                     continue
-                row["tiles"] = impl.tile_config_for(w_use, K, T).to_dict()
-                if hasattr(impl, "uses_gemv"):  # the FP4 decode path runs GEMV kernels, not these tiles
-                    row["path"] = "gemv" if impl.uses_gemv(w_use, T * K) else "mma"
+                plan = impl.plan(w_use, T, K, act_dtype=act_dtype, activation=spec["activation"])
+                row["variants"] = {st.stage: st.variant for st in plan.stages}  # what ran (the options' pins too)
+                if plan.tiles is not None:  # the FP4 decode path runs GEMV kernels, not tiles
+                    row["tiles"] = plan.tiles.to_dict()
+                if impl_name != "triton_bf16":
+                    row["path"] = "gemv" if plan.path == "gemv" else "mma"
                 if phase == "prefill":
                     # timed below, all impls of the point in one rotation
                     prefill_fns[impl_name] = fn
@@ -387,7 +402,9 @@ def main(argv=None) -> int:
                     "out/bench_experts_quant_dry.json with --dry-run)")
     ap.add_argument("--md", default=None, help="also write the markdown table here")
     ap.add_argument("--dry-run", action="store_true", help="CPU + Triton interpreter, tiny shapes, fp16")
+    add_kernel_options_args(ap)
     args = ap.parse_args(argv)
+    args.options = kernel_options(args)
     t0 = time.time()
     if args.no_prefill:
         args.prefill = ()
@@ -418,7 +435,7 @@ def main(argv=None) -> int:
         if n not in SHAPES:
             raise SystemExit(f"--shapes: {n!r} unknown, expected some of {tuple(SHAPES)}")
     meta = dict(env_info(), roofs=roofs, command=" ".join(sys.argv), shapes={n: SHAPES[n] for n in names},
-                check_rel_l2=args.check_rel_l2, reps=args.reps)
+                check_rel_l2=args.check_rel_l2, reps=args.reps, kernel_options=options_record(args.options))
     print(f"roofs: HBM {roofs['hbm'] / 1e12:.3f} TB/s (read {roofs['hbm_read'] / 1e12:.3f} by {roofs['hbm_reader']}, copy "
           f"{roofs['hbm_copy'] / 1e12:.3f}), compute {roofs['compute'] / 1e12:.1f} TFLOP/s", flush=True)
     rows: list[dict] = []

@@ -10,7 +10,7 @@ Rows (one per shape x T x implementation x mode), all ratios taken in this run:
                         the two-kernel step above;
        `moeflow-fused`  router_step_cuda(fused=True): the single-kernel step at every T timed;
        `moeflow-2k`     router_step_cuda(fused=False): batch-invariant GEMM + selection kernel
-                        (2 launches; what `moeflow` was before the fused kernel), same bits;
+                        (2 launches), same bits;
        `moeflow-sep`    router_logits_cuda + route_cuda (what moeflow.router_logits + moeflow.route run);
        `variant`        the same kernels with a T-dependent H split (a batch-*variant* tuning of
                         the same design: fewer splits as T grows), to price batch invariance;

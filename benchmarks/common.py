@@ -9,7 +9,6 @@ from __future__ import annotations
 import datetime as _dt
 import functools
 import json
-import os
 import platform
 import statistics
 import time
@@ -42,9 +41,49 @@ def env_info() -> dict[str, str]:
             info[mod] = __import__(mod).__version__
         except ImportError:
             info[mod] = "not installed"
-    # kernel switches set for the run (MOEFLOW_PDL, MOEFLOW_TMA, ...): a row is only comparable with its own
-    info["moeflow_env"] = " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MOEFLOW_"))
     return info
+
+
+def add_kernel_options_args(ap) -> None:
+    """The arguments that choose the Triton experts' KernelOptions (moeflow.experts.options) for a run:
+    --tma, --pdl, --no-fast-launch, --pin STAGE=VARIANT (repeatable). `kernel_options(args)` builds them."""
+    ap.add_argument("--tma", choices=("auto", "on", "off"), default="auto",
+                    help="TMA descriptors for the aligned GEMMs' tiles (auto: on Hopper or newer)")
+    ap.add_argument("--pdl", choices=("auto", "off"), default="auto",
+                    help="programmatic dependent launch between the step's kernels (off: plain stream order)")
+    ap.add_argument("--no-fast-launch", action="store_true", help="every launch through Triton's JIT binder")
+    ap.add_argument("--pin", action="append", default=[], metavar="STAGE=VARIANT",
+                    help="force a variant for a stage, e.g. gate_up=tma_gather_x (moeflow.experts.plan.VARIANTS); "
+                         "repeatable")
+
+
+def parse_pins(items: list[str]) -> dict[str, str]:
+    """{stage: variant} of --pin values ("gate_up=tma", also comma-separated: "gate_up=tma,down=tma_flat")."""
+    pins: dict[str, str] = {}
+    for item in (p for arg in items for p in arg.split(",") if p):
+        stage, sep, variant = item.partition("=")
+        if not sep or not stage or not variant:
+            raise ValueError(f"--pin {item!r}: expected STAGE=VARIANT")
+        pins[stage.strip()] = variant.strip()
+    return pins
+
+
+def kernel_options(args, **overrides):
+    """KernelOptions from add_kernel_options_args' arguments; `overrides` replace single fields
+    (e.g. tma=True for a dry run under the Triton interpreter, which takes TMA kernels only when asked)."""
+    from moeflow.experts.options import KernelOptions
+
+    kw = dict(tma={"auto": None, "on": True, "off": False}[getattr(args, "tma", "auto")],
+              pdl=False if getattr(args, "pdl", "auto") == "off" else None,
+              fast_launch=not getattr(args, "no_fast_launch", False),
+              pin=parse_pins(getattr(args, "pin", []) or []))
+    kw.update(overrides)
+    return KernelOptions(**kw)
+
+
+def options_record(options) -> dict:
+    """A KernelOptions as JSON-able fields, for a run's metadata (rows are comparable only under the same)."""
+    return dict(tma=options.tma, pdl=options.pdl, fast_launch=options.fast_launch, pin=dict(options.pin))
 
 
 def time_cpu(fn: Callable[[], object], *, reps: int = 20, warmup: int = 3) -> float:
@@ -66,7 +105,7 @@ def flush_l2(kind: str = "write") -> None:
     """Evict L2 so the next kernel reads its weights from HBM: "write" (the standard of
     shared/spec/benchmarks.md) writes 256 MB, which leaves L2 full of dirty lines that the next
     kernel's reads must write back first; "read" reads 256 MB (clean lines, like the previous
-    layer's weights in a real decode step): benchmarks/diag_flush.py measures the difference."""
+    layer's weights in a real decode step): tools/diag_flush.py measures the difference."""
     buf = _FLUSH.get("buf")
     if buf is None:
         buf = _FLUSH["buf"] = torch.empty(256 * 1024 * 1024 // 4, dtype=torch.float32, device="cuda")
@@ -124,9 +163,9 @@ def time_cuda_graphs_interleaved(fns: dict[str, Callable[[], object]], *, rounds
     over the graphs, `reps` timed replays of each per pass (L2 flushed before each, as time_cuda).
 
     Why round-robin: compute-bound steps run the GPU at its power limit, and its clocks drift over
-    seconds (H200, 2026-12-04: the same prefill config timed 3-12% apart when timed first and then
-    again after other variants). Timing the variants one after another puts that drift into their
-    ratios; interleaving spreads it over all of them."""
+    seconds (H200: the same prefill config timed 3-12% apart when timed first and then again after
+    other variants). Timing the variants one after another puts that drift into their ratios;
+    interleaving spreads it over all of them."""
     graphs = {name: capture_graph(fn) for name, fn in fns.items()}
     for g in graphs.values():  # one untimed replay each
         g.replay()

@@ -1,4 +1,4 @@
-"""Issue 16's targets, point by point, from benchmarks/bench_experts.py JSON files (no GPU needed).
+"""The experts' performance targets, point by point, from benchmarks/bench_experts.py JSON files (no GPU needed).
 
     python3 benchmarks/scorecard.py benchmarks/results/bench_experts_tma_h200.json [more.json ...]
 
@@ -7,14 +7,14 @@ point) and prints one markdown row per target point: our CUDA-graph roof fractio
 or the peer's figure it is held to, and met / missed. Roof fractions come from each run's own
 same-run roofs (bench_experts computes them); this script only compares.
 
-Targets (issue 16):
-    item 1   prefill, T >= 2048, compute floor: roof_frac >= 0.75 (every shape and routing)
-    item 2   small-expert decode: qwen3-30b-a3b and gpt-oss-120b at T = 1 within 1.6x the
+Targets (TARGETS, in the order printed):
+    prefill  T >= 2048, compute floor: roof_frac >= 0.75 (every shape and routing)
+    decode   small-expert decode: qwen3-30b-a3b and gpt-oss-120b at T = 1 within 1.6x the
              weight-read floor (roof_frac >= 1 / 1.6); qwen3 T >= 8: roof_frac >= 0.9
-    item 3   roof_frac >= the peer's (vLLM 0.33 fused MoE) figure quoted in the issue, at its points;
+    peer     roof_frac >= the peer's (vLLM 0.33 fused MoE) roof fraction at the points in PEER_ROOF;
              and, where the run measured the peer itself (bench_experts --vllm), at every point
-             run: its graph time / ours >= 1.0 ("no point below 1.0x")
-    item 5   batch-invariant mode <= 10% slower than the default (graph times), every point run
+             run: its graph time / ours >= 1.0
+    bi_cost  batch-invariant mode <= 10% slower than the default (graph times), every point run
 """
 
 from __future__ import annotations
@@ -24,7 +24,8 @@ import json
 import sys
 from pathlib import Path
 
-# Issue 16 item 3: the peer's roof fractions at the points where it was ahead (uniform routing).
+# The peer's roof fractions (vLLM 0.33 fused MoE, H200, uniform routing) at the points where it was ahead of
+# us when the targets were set.
 PEER_ROOF = {
     ("qwen3-30b-a3b", 1): 0.43, ("qwen3-30b-a3b", 2): 0.56, ("qwen3-30b-a3b", 4): 0.73,
     ("gpt-oss-120b", 1): 0.65, ("gpt-oss-120b", 512): 0.93,
@@ -34,6 +35,7 @@ PREFILL_MIN_T, PREFILL_ROOF = 2048, 0.75
 DECODE_FLOOR_RATIO = 1.6
 QWEN3_T8_ROOF = 0.9
 BI_MAX_COST = 0.10
+TARGETS = ("prefill", "decode", "peer", "bi_cost")
 
 
 def load_points(paths: list[str]) -> dict:
@@ -51,11 +53,11 @@ def load_points(paths: list[str]) -> dict:
 
 
 def scorecard(points: dict) -> list[dict]:
-    """One dict per (item, point): item, shape, routing, T, ours, bound, met, note."""
+    """One dict per (target, point): target (one of TARGETS), shape, routing, T, ours, bound, met, note."""
     out = []
 
-    def add(item, shape, routing, T, ours, bound, met, note="", fmt="frac"):
-        out.append(dict(item=item, shape=shape, routing=routing, T=T, ours=ours, bound=bound, met=met, note=note,
+    def add(target, shape, routing, T, ours, bound, met, note="", fmt="frac"):
+        out.append(dict(target=target, shape=shape, routing=routing, T=T, ours=ours, bound=bound, met=met, note=note,
                         fmt=fmt))
 
     for (shape, routing, T, impl), r in sorted(points.items()):
@@ -65,38 +67,38 @@ def scorecard(points: dict) -> list[dict]:
         if frac is None:
             continue
         if T >= PREFILL_MIN_T and r.get("floor_kind") == "compute":
-            add(1, shape, routing, T, frac, PREFILL_ROOF, frac >= PREFILL_ROOF, "compute floor")
+            add("prefill", shape, routing, T, frac, PREFILL_ROOF, frac >= PREFILL_ROOF, "compute floor")
         if shape in ("qwen3-30b-a3b", "gpt-oss-120b") and T == 1 and routing == "uniform":
-            add(2, shape, routing, T, frac, 1 / DECODE_FLOOR_RATIO, frac >= 1 / DECODE_FLOOR_RATIO,
+            add("decode", shape, routing, T, frac, 1 / DECODE_FLOOR_RATIO, frac >= 1 / DECODE_FLOOR_RATIO,
                 f"time / floor = {1 / frac:.2f} (<= {DECODE_FLOOR_RATIO})")
         if shape == "qwen3-30b-a3b" and 8 <= T <= 64 and routing == "uniform" and r.get("floor_kind") == "hbm":
-            add(2, shape, routing, T, frac, QWEN3_T8_ROOF, frac >= QWEN3_T8_ROOF, "decode, HBM floor")
+            add("decode", shape, routing, T, frac, QWEN3_T8_ROOF, frac >= QWEN3_T8_ROOF, "decode, HBM floor")
         measured = points.get((shape, routing, T, "vllm"))
         if measured is not None and measured.get("time_s") and r.get("time_s"):
             vs = measured["time_s"] / r["time_s"]
-            add(3, shape, routing, T, vs, 1.0, vs >= 1.0,
+            add("peer", shape, routing, T, vs, 1.0, vs >= 1.0,
                 f"vs vLLM 0.33 measured in the same run (x = its time / ours; its roof "
                 f"{measured.get('roof_frac', float('nan')):.3f}, ours {frac:.3f})", fmt="ratio")
         peer = PEER_ROOF.get((shape, T))
         if peer is not None and routing == "uniform":
-            add(3, shape, routing, T, frac, peer, frac >= peer, "the peer's roof fraction")
+            add("peer", shape, routing, T, frac, peer, frac >= peer, "the peer's roof fraction")
         bi = points.get((shape, routing, T, "moeflow_bi"))
         if bi is not None and r.get("time_s"):
             cost = bi["time_s"] / r["time_s"] - 1
-            add(5, shape, routing, T, cost, BI_MAX_COST, cost <= BI_MAX_COST, "batch-invariant cost (graph)")
+            add("bi_cost", shape, routing, T, cost, BI_MAX_COST, cost <= BI_MAX_COST, "batch-invariant cost (graph)")
     return out
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| item | shape | routing | T | ours | bound | met | note |", "|---|---|---|---|---|---|---|---|"]
-    for r in sorted(rows, key=lambda r: (r["item"], r["shape"], r["routing"], r["T"])):
-        if r["item"] == 5:
+    lines = ["| target | shape | routing | T | ours | bound | met | note |", "|---|---|---|---|---|---|---|---|"]
+    for r in sorted(rows, key=lambda r: (TARGETS.index(r["target"]), r["shape"], r["routing"], r["T"])):
+        if r["target"] == "bi_cost":
             ours, bound = f"{r['ours']:+.1%}", f"<= {r['bound']:.0%}"
         elif r.get("fmt") == "ratio":
             ours, bound = f"{r['ours']:.3f}x", f">= {r['bound']:.2f}x"
         else:
             ours, bound = f"{r['ours']:.3f}", f">= {r['bound']:.3f}"
-        lines.append(f"| {r['item']} | {r['shape']} | {r['routing']} | {r['T']} | {ours} | {bound} | "
+        lines.append(f"| {r['target']} | {r['shape']} | {r['routing']} | {r['T']} | {ours} | {bound} | "
                      f"{'yes' if r['met'] else '**no**'} | {r['note']} |")
     met = sum(r["met"] for r in rows)
     lines.append(f"\n{met} of {len(rows)} points met.")

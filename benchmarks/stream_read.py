@@ -2,7 +2,7 @@
 
 Why: roof_frac = floor / time is <= 1 by construction only when the roof is at least as fast a
 pure read as anything we time against it. torch.sum / torch.amax over 2 GiB were beaten by our
-own weight-streaming GEMMs by up to 5% on the H200 (roof_frac 1.05, RESULTS.md 2026-12-04), so
+own weight-streaming GEMMs by up to 5% on the H200 (roof_frac 1.05 in benchmarks/bench_experts.py), so
 benchmarks.common.hbm_read_roof_detail takes the fastest of them and the best configuration of
 this kernel, which does nothing but read: 16-byte loads, one XOR per word, one word written per
 program.

@@ -2,10 +2,11 @@
 # The GPU test suite on a lent GPU machine, with every test named as it finishes.
 #
 #   bash tests/gpu_suite.sh OUTDIR [TIME_LIMIT_S] [pytest args / test files ...]
+#   bash tests/gpu_suite.sh OUTDIR 240 tools/tests      # the tools' own GPU tests (not the product's)
 #
 # Why a script: pyproject's addopts carry -q, so `pytest -m gpu -n 8 -v` prints dots only, and a
-# run cut by its time limit never writes its junit file: the 2026-12-03 run ended "48 passed,
-# 1 failed, 2 unfinished" without a name. Here addopts are cleared (-o addopts=), xdist prints
+# run cut by its time limit never writes its junit file, so its summary ("48 passed, 1 failed,
+# 2 unfinished") names no test. Here addopts are cleared (-o addopts=), xdist prints
 # one "[gwN] PASSED/FAILED <test id>" line per test as it ends, each test has its own timeout
 # (pytest-timeout, when installed), and the last lines list the failures and the tests that
 # never reported. Writes OUTDIR/gpu_suite.log and OUTDIR/gpu_junit.xml (when pytest ends).

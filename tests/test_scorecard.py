@@ -1,4 +1,4 @@
-"""benchmarks/scorecard.py: issue 16's targets read from bench_experts rows (pure Python)."""
+"""benchmarks/scorecard.py: the experts' targets read from bench_experts rows (pure Python)."""
 
 import json
 import sys
@@ -15,7 +15,7 @@ def _row(shape, T, impl, mode, time_s, frac, floor_kind, routing="uniform", stat
                 floor_kind=floor_kind, status=status)
 
 
-def test_scorecard_items(tmp_path, capsys):
+def test_scorecard_targets(tmp_path, capsys):
     rows = [
         _row("mixtral-8x7b", 8192, "moeflow", "eager", 1.0, 0.70, "compute"),
         _row("mixtral-8x7b", 8192, "moeflow", "graph", 1.0, 0.80, "compute"),  # the graph row wins
@@ -26,22 +26,22 @@ def test_scorecard_items(tmp_path, capsys):
     ]
     path = tmp_path / "b.json"
     path.write_text(json.dumps({"rows": rows}))
-    got = {(r["item"], r["shape"], r["T"]): r for r in scorecard(load_points([str(path)]))}
-    assert set(got) == {(1, "mixtral-8x7b", 8192), (3, "mixtral-8x7b", 8192), (5, "mixtral-8x7b", 8192),
-                        (2, "qwen3-30b-a3b", 1), (3, "qwen3-30b-a3b", 1), (2, "qwen3-30b-a3b", 8)}
-    assert got[(1, "mixtral-8x7b", 8192)]["met"] and got[(1, "mixtral-8x7b", 8192)]["ours"] == 0.80
-    assert got[(3, "mixtral-8x7b", 8192)]["met"]  # 0.80 >= the peer's 0.68
-    assert not got[(5, "mixtral-8x7b", 8192)]["met"]  # +20% > 10%
-    assert not got[(2, "qwen3-30b-a3b", 1)]["met"]  # 2.0x the floor > 1.6x
-    assert got[(3, "qwen3-30b-a3b", 1)]["met"]  # 0.50 >= 0.43
-    assert got[(2, "qwen3-30b-a3b", 8)]["met"]
+    got = {(r["target"], r["shape"], r["T"]): r for r in scorecard(load_points([str(path)]))}
+    assert set(got) == {("prefill", "mixtral-8x7b", 8192), ("peer", "mixtral-8x7b", 8192), ("bi_cost", "mixtral-8x7b", 8192),
+                        ("decode", "qwen3-30b-a3b", 1), ("peer", "qwen3-30b-a3b", 1), ("decode", "qwen3-30b-a3b", 8)}
+    assert got[("prefill", "mixtral-8x7b", 8192)]["met"] and got[("prefill", "mixtral-8x7b", 8192)]["ours"] == 0.80
+    assert got[("peer", "mixtral-8x7b", 8192)]["met"]  # 0.80 >= the peer's 0.68
+    assert not got[("bi_cost", "mixtral-8x7b", 8192)]["met"]  # +20% > 10%
+    assert not got[("decode", "qwen3-30b-a3b", 1)]["met"]  # 2.0x the floor > 1.6x
+    assert got[("peer", "qwen3-30b-a3b", 1)]["met"]  # 0.50 >= 0.43
+    assert got[("decode", "qwen3-30b-a3b", 8)]["met"]
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "4 of 6 points met." in out and "| 5 | mixtral-8x7b | uniform | 8192 | +20.0% | <= 10% | **no** |" in out
+    assert "4 of 6 points met." in out and "| bi_cost | mixtral-8x7b | uniform | 8192 | +20.0% | <= 10% | **no** |" in out
 
 
 def test_scorecard_measured_peer(tmp_path, capsys):
-    """Rows of the vLLM peer measured in the run (bench_experts --vllm): item 3 at every point, x >= 1.0."""
+    """Rows of the vLLM peer measured in the run (bench_experts --vllm): the peer target at every point, x >= 1.0."""
     rows = [
         _row("qwen3-30b-a3b", 8, "moeflow", "graph", 100e-6, 0.90, "hbm"),
         _row("qwen3-30b-a3b", 8, "vllm", "graph", 120e-6, 0.75, "hbm"),
@@ -51,11 +51,11 @@ def test_scorecard_measured_peer(tmp_path, capsys):
     ]
     path = tmp_path / "p.json"
     path.write_text(json.dumps({"rows": rows}))
-    got = [r for r in scorecard(load_points([str(path)])) if r["item"] == 3 and r["fmt"] == "ratio"]
+    got = [r for r in scorecard(load_points([str(path)])) if r["target"] == "peer" and r["fmt"] == "ratio"]
     by = {(r["shape"], r["T"]): r for r in got}
     assert set(by) == {("qwen3-30b-a3b", 8), ("gpt-oss-120b", 512)}
     assert by[("qwen3-30b-a3b", 8)]["met"] and abs(by[("qwen3-30b-a3b", 8)]["ours"] - 1.2) < 1e-9
     assert not by[("gpt-oss-120b", 512)]["met"] and abs(by[("gpt-oss-120b", 512)]["ours"] - 0.95) < 1e-9
     assert main([str(path)]) == 0
     out = capsys.readouterr().out
-    assert "| 3 | gpt-oss-120b | uniform | 512 | 0.950x | >= 1.00x | **no** |" in out
+    assert "| peer | gpt-oss-120b | uniform | 512 | 0.950x | >= 1.00x | **no** |" in out

@@ -97,24 +97,6 @@ def test_sweep_in_the_interpreter():
     run_interpreter_check(__file__, "sweep")
 
 
-def check_size_matched() -> None:
-    """benchmarks/diag_flush.stream_times on the CPU: the one-launch and the two-launch (gate_up
-    bytes, then the rest) reads of a buffer whose split is not word-aligned run and time > 0."""
-    from benchmarks.common import time_cpu
-    from benchmarks.diag_flush import stream_times
-
-    st = stream_times(4 * 20_000 + 2, 4 * 13_000 + 1, "write", 1, torch.device("cpu"),
-                      timer=lambda fn: time_cpu(fn, reps=1, warmup=0), sms=2)
-    assert st["one"] > 0 and st["two"] > 0 and st["one_cfg"].startswith("triton stream BLOCK=")
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-def test_size_matched_floor_in_the_interpreter():
-    from moeflow.testing import run_interpreter_check
-
-    run_interpreter_check(__file__, "size_matched")
-
-
 @pytest.mark.skipif(not HAS_TRITON, reason="benchmarks.stream_read imports triton")
 def test_launcher_refusals():
     from benchmarks.stream_read import stream_read
@@ -173,8 +155,6 @@ if __name__ == "__main__":  # run_interpreter_check: python tests/test_stream_re
     patch_interpreter_index()
     if sys.argv[1] == "kernel":
         check_kernel("cpu", 10_001, INTERP_CASES)
-    elif sys.argv[1] == "size_matched":
-        check_size_matched()
     else:
         check_sweep()
     print(f"PASS {sys.argv[1]}")

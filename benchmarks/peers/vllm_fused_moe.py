@@ -4,7 +4,7 @@
 # (SPDX-FileCopyrightText: Copyright contributors to the vLLM project; Apache-2.0). The rest of
 # this file is moeflow's harness around them.
 # vLLM's license: benchmarks/peers/LICENSE-vllm (Apache License 2.0, from the vllm-0.33.0 wheel).
-"""vLLM 0.33's Triton fused MoE (bf16), run in our process as the peer of issue 16 item 3 (GPU).
+"""vLLM 0.33's Triton fused MoE (bf16), run in our process as the experts benchmarks' peer (GPU).
 
 vLLM 0.33 needs torch 2.14 and its compiled `_C` extension, so it does not import beside our
 torch 2.11 on the H200 host. What runs here is what vLLM runs for bf16 MoE on Hopper,

@@ -4,15 +4,15 @@
 Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate, BM/BN/BK tiles,
 S split-K parts of the down GEMM.
 
-Why: the MXFP4 decode GEMV was ALU-bound (ncu 2026-12-03: 64% SM, 22% DRAM, 0.20-0.27 of the HBM
-roof) and MXFP4 prefill ran at 0.53x our bf16 (the decode of each tile in the load path). The
-E2M1 decode now runs as inline PTX (moeflow.experts.triton_quant.FP4_DECODE_ASM); the rows
-marked "tdec" run the Triton decode instead (same numbers, so the same bits).
+Why: which kernel form and which tiles serve each T: the FP4 GEMV (no alignment, each weight byte decoded
+once per pair) against the MMA tiles, and the FP8 decode tiles' widths, all against the roofs of this run.
 
 Per T (gpt-oss-120b: E=128 H=I=2880 K=4, interleaved gate/up, biases; uniform routing, fixed seed):
-    gemv        TritonQuantExperts(), its default path (the GEMV for N <= 32)
-    mma         the MMA kernels, the heuristic tiles of T
-    *:tdec      the same with FP4_DECODE_ASM = False: must equal the row above bit for bit
+    default     TritonQuantExperts(), the plan's choice (the GEMV up to moeflow.tuning.rules
+                fp4_gemv_max_pairs pairs)
+    gemv        both GEMMs pinned to the GEMV (KernelOptions(pin={"gate_up": "w4_gemv", "down": "w4_gemv"}));
+                decode T only
+    mma         the MMA kernels (pinned to "w4_pointer"), the heuristic tiles of T
     mma:*       other MMA tiles (--sweep)
 deepseek-v3 (fp8_block W8A8), decode T only:
     default     TritonQuantExperts(fp8=True) with its heuristic tiles
@@ -23,9 +23,9 @@ bytes of the distinct experts touched + x + out over the read-only HBM roof (dec
 2*3*H*I*T*K FLOP over the bf16 mm roof (prefill). Every variant's output is checked against the
 dequantized-f32 reference (rel-L2) before it is timed.
 
-    PYTHONPATH=. python benchmarks/diag_quant_tiles.py --json out/diag_mxfp4.json
-    PYTHONPATH=. python benchmarks/diag_quant_tiles.py --tokens 1,8 --sweep
-    PYTHONPATH=. python benchmarks/diag_quant_tiles.py --shape deepseek-v3 --tokens 1,2,4,8
+    PYTHONPATH=. python tools/diag_quant_tiles.py --json out/diag_mxfp4.json
+    PYTHONPATH=. python tools/diag_quant_tiles.py --tokens 1,8 --sweep
+    PYTHONPATH=. python tools/diag_quant_tiles.py --shape deepseek-v3 --tokens 1,2,4,8
 """
 
 from __future__ import annotations
@@ -46,6 +46,7 @@ if str(ROOT) not in sys.path:
 from benchmarks.bench_experts_quant import SHAPES, build_weights, error_vs, reference  # noqa: E402
 from benchmarks.common import compute_roof_flops, env_info, hbm_read_roof_bytes_per_s, time_cuda_graph  # noqa: E402
 from benchmarks.tune_experts import routing  # noqa: E402
+from moeflow.experts.options import KernelOptions  # noqa: E402
 from moeflow.tuning import GemmTile, MoETileConfig  # noqa: E402
 
 
@@ -68,18 +69,19 @@ def _variants(base: MoETileConfig, rows: float) -> list[tuple[str, MoETileConfig
     return out
 
 
-def _fp4_variants(args, T, K, E, base, wq, plain, plain_impl, sweep_T, decode) -> list[tuple]:
+def _fp4_variants(args, T, K, E, base, wq, plain, sweep_T, decode) -> list[tuple]:
     """(name, impl, weights) of the MXFP4 comparison at T (module docstring)."""
     from moeflow.experts.triton import TritonExperts
     from moeflow.experts.triton_quant import TritonQuantExperts
 
-    out = []
-    if plain_impl.uses_gemv(wq, T * K):
-        out += [("gemv", plain_impl, wq), ("gemv:tdec", plain_impl, wq)]
-    mma = TritonQuantExperts(tile_config=base)
-    out += [("mma", mma, wq), ("mma:tdec", mma, wq)]
+    mma_pin = KernelOptions(pin={"gate_up": "w4_pointer", "down": "w4_pointer"})
+    out = [("default", TritonQuantExperts(), wq)]
+    if decode:
+        out.append(("gemv", TritonQuantExperts(options=KernelOptions(pin={"gate_up": "w4_gemv", "down": "w4_gemv"})),
+                    wq))
+    out.append(("mma", TritonQuantExperts(tile_config=base, options=mma_pin), wq))
     if args.sweep and T in sweep_T:
-        out += [(f"mma:{n}", TritonQuantExperts(tile_config=c), wq)
+        out += [(f"mma:{n}", TritonQuantExperts(tile_config=c, options=mma_pin), wq)
                 for n, c in _variants(base, T * K / min(T * K, E))]
     if not decode:
         out.append(("bf16", TritonExperts(), plain))
@@ -118,7 +120,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("diag_quant_tiles: needs CUDA", file=sys.stderr)
         return 2
-    import moeflow.experts.triton_quant as tq
     from moeflow.experts.triton_quant import TritonQuantExperts, quant_group, quant_tile_config
 
     t0 = time.time()
@@ -131,7 +132,6 @@ def main(argv=None) -> int:
     print(f"[{time.time() - t0:5.1f}s] weights built; HBM read roof {hbm / 1e12:.3f} TB/s, compute "
           f"{flops_roof / 1e12:.1f} TFLOP/s", flush=True)
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    plain_impl = TritonQuantExperts()
     sweep_T = {int(t) for t in args.sweep_tokens.split(",")}
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
@@ -150,14 +150,12 @@ def main(argv=None) -> int:
             variants.append(("default", TritonQuantExperts(fp8=True), wq))
             variants += [(n, TritonQuantExperts(fp8=True, tile_config=c), wq) for n, c in _fp8_variants(base)]
         else:
-            variants += _fp4_variants(args, T, K, E, base, wq, plain, plain_impl, sweep_T, decode)
+            variants += _fp4_variants(args, T, K, E, base, wq, plain, sweep_T, decode)
         outs = {}
         for name, impl, w in variants:
             row = dict(T=T, variant=name, floor_s=floor, phase="decode" if decode else "prefill")
-            asm = not name.endswith(":tdec")
             try:
-                def fn(impl=impl, w=w, x=x, ids=ids, wts=wts, asm=asm):
-                    tq.FP4_DECODE_ASM = asm  # read at launch (and so at graph capture)
+                def fn(impl=impl, w=w, x=x, ids=ids, wts=wts):
                     return impl.forward_tokens(x, ids, wts, w, cfg)
 
                 out = fn()
@@ -172,11 +170,11 @@ def main(argv=None) -> int:
                     row["status"] = "ok"
             except Exception as exc:  # a variant that does not compile / run says so
                 row["status"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
-            twin = name[: -len(":tdec")] if name.endswith(":tdec") else None
-            if twin in outs and name in outs:
-                row["bitwise_vs_asm"] = bool(torch.equal(outs[twin].view(torch.int16), outs[name].view(torch.int16)))
+            if name != "default" and name != "bf16" and name in outs and "default" in outs:
+                row["bitwise_vs_default"] = bool(torch.equal(outs["default"].view(torch.int16),
+                                                             outs[name].view(torch.int16)))
             rows.append(row)
-            extra = f" bitwise_vs_asm={row['bitwise_vs_asm']}" if "bitwise_vs_asm" in row else ""
+            extra = f" bitwise_vs_default={row['bitwise_vs_default']}" if "bitwise_vs_default" in row else ""
             t_us = f"{1e6 * row['s']:8.1f} us roof {row['roof_frac']:.3f}" if "s" in row else row["status"][:160]
             print(f"[{time.time() - t0:5.1f}s] T={T:5d} {name:22s} {t_us} rel_l2 {row.get('rel_l2', float('nan')):.2e}"
                   f"{extra}", flush=True)

@@ -1,6 +1,8 @@
-"""benchmarks/ncu_kernels.py and ncu_profile.sh on the CPU: the case list, the summariser on a
-hand-written report in ncu's text format, a few cases at tiny shapes under the Triton interpreter,
-and the shell driver end to end with a stand-in `ncu` (prints a canned report, runs the case)."""
+"""tools/ncu_kernels.py and ncu_profile.sh on the CPU: the case list and each case's KernelOptions, the
+summariser on a hand-written report in ncu's text format, a few cases at tiny shapes under the Triton
+interpreter, and the shell driver end to end with a stand-in `ncu` (prints a canned report, runs the case).
+
+The tiny cases and the driver run the experts with `TritonExperts(options=...)`."""
 
 from __future__ import annotations
 
@@ -15,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-SCRIPT = ROOT / "benchmarks" / "ncu_kernels.py"
+ROOT = Path(__file__).resolve().parents[2]
+SCRIPT = ROOT / "tools" / "ncu_kernels.py"
 HAS_TRITON = importlib.util.find_spec("triton") is not None
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
@@ -196,7 +198,7 @@ ncu_kernels: experts_decode_t1_qwen3 path=aligned T=1 setup 1.2s warmup 3.4s
 
 
 def _mod():
-    from benchmarks import ncu_kernels
+    from tools import ncu_kernels
 
     return ncu_kernels
 
@@ -214,29 +216,32 @@ def test_list_and_names():
             "experts_prefill_t8192_deepseek_v3", "experts_prefill_t2048_mixtral",
             "experts_prefill_t512_gpt_oss", "experts_prefill_t8192_gpt_oss", "experts_prefill_t8192_ds_v41",
             "experts_prefill_t2048_qwen3", "gmm_prefill_t8192_qwen3", "gmm_prefill_t8192_deepseek_v3",
-            "ws_prefill_t8192_qwen3", "ws_prefill_t8192_deepseek_v3", "ws_prefill_t8192_deepseek_v3_x1",
-            "experts_prefill_t8192_deepseek_v3_x1", "ws_prefill_t4096_deepseek_v3_bal",
-            "experts_prefill_t4096_deepseek_v3_bal", "ws_prefill_t8192_deepseek_v3_bal",
-            "experts_prefill_t8192_deepseek_v3_bal", "ws_pace_prefill_t8192_deepseek_v3", "ws_prefill_t8192_deepseek_v3_zipf",
-            "experts_prefill_t8192_deepseek_v3_zipf_x1", "experts_prefill_t8192_qwen3_zipf",
-            "experts_prefill_t8192_deepseek_v3_zipf", "experts_prefill_t8192_gpt_oss_zipf",
-            "experts_prefill_t8192_ds_v41_zipf",
+            "experts_prefill_t8192_deepseek_v3_x1", "experts_prefill_t4096_deepseek_v3_bal",
+            "experts_prefill_t8192_deepseek_v3_bal", "experts_prefill_t8192_deepseek_v3_zipf_x1",
+            "experts_prefill_t8192_qwen3_zipf", "experts_prefill_t8192_deepseek_v3_zipf",
+            "experts_prefill_t8192_gpt_oss_zipf", "experts_prefill_t8192_ds_v41_zipf",
             "experts_prefill_t2048_qwen3_zipf", "experts_prefill_t2048_deepseek_v3_zipf",
             "experts_prefill_t2048_gpt_oss", "experts_prefill_t2048_gpt_oss_zipf", "experts_prefill_t2048_ds_v41",
             "experts_prefill_t2048_ds_v41_zipf", "experts_decode_t1_ds_v41", "quant_mxfp4_gemv_t2_gpt_oss",
             "quant_mxfp4_gemv_t4_gpt_oss", "quant_mxfp4_gemv_t16_gpt_oss", "quant_mxfp4_gemv_t32_gpt_oss",
-            "quant_mxfp4_t64_gpt_oss",
-            "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss", "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
+            "quant_mxfp4_t64_gpt_oss", "quant_mxfp4_gemv_t1_gpt_oss", "quant_mxfp4_gemv_t8_gpt_oss",
+            "quant_mxfp4_prefill_t8192_gpt_oss", "quant_fp8_decode_t1_deepseek_v3",
             "quant_fp8_prefill_t8192_deepseek_v3", "quant_fp8_decode_t2_deepseek_v3",
-            "quant_fp8_prefill_t8192_qwen3", "quant_fp8ws_prefill_t8192_deepseek_v3", "quant_fp8ws_prefill_t8192_qwen3",
-            "quant_fp8ws_grid_prefill_t8192_deepseek_v3", "ws_grid_prefill_t8192_deepseek_v3",
-            "ws_grid_prefill_t8192_deepseek_v3_zipf", "quant_fp8ws_dyn_prefill_t8192_deepseek_v3",
-            "quant_nvfp4_gemv_t1_deepseek_v3", "quant_nvfp4_t64_deepseek_v3", "quant_nvfp4_gemv_t2_deepseek_v3",
-            "quant_nvfp4_gemv_t8_deepseek_v3", "quant_nvfp4_gemv_t16_deepseek_v3",
+            "quant_fp8_prefill_t8192_qwen3", "quant_nvfp4_gemv_t1_deepseek_v3", "quant_nvfp4_t64_deepseek_v3",
+            "quant_nvfp4_gemv_t2_deepseek_v3", "quant_nvfp4_gemv_t8_deepseek_v3", "quant_nvfp4_gemv_t16_deepseek_v3",
             "experts_prefill_t8192_mixtral_zipf", "experts_prefill_t2048_mixtral_zipf",
             "experts_prefill_t8192_mixtral_zipf_gx", "experts_prefill_t2048_mixtral_gx",
             "quant_nvfp4_gemv_t4_deepseek_v3", "quant_fp8_prefill_t8192_qwen3_235b",
             "quant_fp8tri_prefill_t8192_qwen3_235b"} == set(names)
+    # a case that forces a variant names it as KernelOptions.pin; the rest run the plan's own choice
+    pinned = {c.name: dict(c.pin) for c in nk.CASES if c.pin}
+    assert pinned == {"experts_prefill_t8192_mixtral_zipf_gx": {"gate_up": "tma_gather_x"},
+                      "experts_prefill_t2048_mixtral_gx": {"gate_up": "tma_gather_x"},
+                      "quant_fp8tri_prefill_t8192_qwen3_235b": {"gate_up": "fp8_tma"}}
+    opts = nk.CASE_BY_NAME["experts_prefill_t2048_mixtral_gx"].options(tiny=False, pdl=False)
+    assert opts.pdl is False and opts.tma is None and opts.pinned("gate_up") == "tma_gather_x"
+    assert nk.CASE_BY_NAME["experts_prefill_t2048_mixtral_gx"].options(tiny=True).tma is True
+    assert nk.CASE_BY_NAME["experts_decode_t1_qwen3"].options(tiny=True).tma is None
     out = subprocess.run([sys.executable, str(SCRIPT), "--names"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60).stdout.split()
     assert out == names
@@ -364,9 +369,9 @@ def _interp_env() -> dict:
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
 @pytest.mark.parametrize("case", ["experts_decode_t1_qwen3", "experts_prefill_t8192_deepseek_v3_x1",
-                                  "experts_prefill_t4096_deepseek_v3_bal",
+                                  "experts_prefill_t4096_deepseek_v3_bal", "experts_prefill_t2048_mixtral_gx",
                                   "gmm_prefill_t8192_qwen3", "quant_mxfp4_gemv_t1_gpt_oss", "quant_fp8_prefill_t8192_qwen3",
-                                  "router_fused_t1_deepseek_v3"])
+                                  "quant_fp8tri_prefill_t8192_qwen3_235b", "router_fused_t1_deepseek_v3"])
 def test_tiny_case_runs_under_interpreter(case, tmp_path):
     info = tmp_path / "info.json"
     proc = subprocess.run([sys.executable, str(SCRIPT), "--tiny", case, "--info-json", str(info)], cwd=ROOT,
@@ -386,6 +391,12 @@ def test_tiny_case_runs_under_interpreter(case, tmp_path):
         assert facts["fused_ran"] is True
     if case.startswith("quant_mxfp4_gemv"):
         assert facts["path"] == "gemv"
+    if not case.startswith(("gmm", "router")):  # the experts' plan: what ran, with the case's options
+        assert "plan_error" not in facts, facts
+        pins = dict(_mod().CASE_BY_NAME[case].pin)
+        assert facts["options"]["pin"] == pins
+        for stage, variant in pins.items():
+            assert facts["variants"][stage] == variant, facts["variants"]
 
 
 def test_tiny_needs_the_interpreter():
@@ -417,7 +428,7 @@ print("FAKE-NCU-ARGS", " ".join(args[:i]), flush=True)
 if "--metrics" in args[:i] and os.environ.get("FAKE_NCU_REFUSE_METRICS"):
     print("==ERROR== Failed to find metric sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active")
     sys.exit(1)
-if os.environ.get("FAKE_NCU_HANG_WITH_PDL") and os.environ.get("MOEFLOW_PDL", "1") != "0":
+if os.environ.get("FAKE_NCU_HANG_WITH_PDL") and "--no-pdl" not in args[i:]:
     import time
     print("==PROF== Profiling (a kernel that never finishes)", flush=True)
     time.sleep(600)
@@ -439,7 +450,7 @@ def test_profile_script_with_stand_in_ncu(tmp_path):
     out = tmp_path / "out"
     env = {**_interp_env(), "PATH": f"{fake.parent}{os.pathsep}{os.environ.get('PATH', '')}",
            "PYTHON": sys.executable, "NCU_CASE_ARGS": "--tiny", "NCU_CASE_TIMEOUT": "100", "NCU_PREWARM_JOBS": "2"}
-    proc = subprocess.run(["bash", "benchmarks/ncu_profile.sh", str(out), "experts_decode_t1_qwen3", "nope"],
+    proc = subprocess.run(["bash", "tools/ncu_profile.sh", str(out), "experts_decode_t1_qwen3", "nope"],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "this ncu has no section MemoryWorkloadAnalysis: left out" in proc.stderr
@@ -463,7 +474,7 @@ def test_profile_script_with_stand_in_ncu(tmp_path):
     # an ncu that lists the tensor-pipe metric but refuses it: the case is profiled again without it
     out2 = tmp_path / "out2"
     env.update(FAKE_NCU_REFUSE_METRICS="1", NCU_PREWARM_JOBS="0")
-    proc = subprocess.run(["bash", "benchmarks/ncu_profile.sh", str(out2), "router_fused_t1_qwen3"],
+    proc = subprocess.run(["bash", "tools/ncu_profile.sh", str(out2), "router_fused_t1_qwen3"],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert "refused --metrics" in proc.stderr
@@ -471,17 +482,17 @@ def test_profile_script_with_stand_in_ncu(tmp_path):
     assert "--metrics" not in txt and "PASS router_fused_t1_qwen3" in txt
     assert (out2 / "ncu_runs.tsv").read_text().splitlines()[1].split("\t")[:2] == ["router_fused_t1_qwen3", "0"]
 
-    # an ncu run that never finishes with PDL on: kept aside, the case profiled again with MOEFLOW_PDL=0
+    # an ncu run that never finishes with PDL on: kept aside, the case profiled again with --no-pdl
     out3 = tmp_path / "out3"
     env.pop("FAKE_NCU_REFUSE_METRICS")
     env.update(FAKE_NCU_HANG_WITH_PDL="1", NCU_CASE_TIMEOUT="20")
-    proc = subprocess.run(["bash", "benchmarks/ncu_profile.sh", str(out3), "router_fused_t1_qwen3"],
+    proc = subprocess.run(["bash", "tools/ncu_profile.sh", str(out3), "router_fused_t1_qwen3"],
                           cwd=ROOT, capture_output=True, text=True, env=env, timeout=240)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "timed out with PDL on: profiling it again with MOEFLOW_PDL=0" in proc.stderr
+    assert "timed out with PDL on: profiling it again with --no-pdl" in proc.stderr
     assert "never finishes" in (out3 / "pdl_timeout_router_fused_t1_qwen3.txt").read_text()
     assert "PASS router_fused_t1_qwen3" in (out3 / "ncu_router_fused_t1_qwen3.txt").read_text()
     row = (out3 / "ncu_runs.tsv").read_text().splitlines()[1].split("\t")
-    assert row[:2] == ["router_fused_t1_qwen3", "0"] and row[3] == "timed out with PDL on; profiled with MOEFLOW_PDL=0"
+    assert row[:2] == ["router_fused_t1_qwen3", "0"] and row[3] == "timed out with PDL on; profiled with --no-pdl"
     assert "pdl_timeout" not in (out3 / "ncu_summary.md").read_text()  # the kept report is no case
 

@@ -10,30 +10,18 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     bi        what TritonExperts(batch_invariant=True) runs there
     bi_half   bi with half_tail flipped (128-row bi tiles only)
     bi_pers   bi with both GEMMs in the persistent TMA form (same tiles, same bits)
-    two_dot   table with the TMA gate_up's two-dot form (experts.triton.FUSED_GATE_UP = False; the
-              default is one [BM, 2BN] dot a K step, moeflow/kernels/moe_gemm_tma.py: FUSED)
     gather_x  table with the TMA gate_up's activation rows copied into pair order first and read by TMA
-              (experts.triton.GATHER_X = True; moe_gemm_tma.gather_rows_kernel, A_TMA)
-    gather_x_ws_down  gather_x with the Gluon down (WS_DOWN, as ws_down); no_gather_x: GATHER_X = False (the
-              default, None, copies where the rule says: experts.triton.gather_x_rule)
-    gu_pers   table with the gate_up persistent (one program per SM); gu_pers_gather_x: with GATHER_X too
-    flat_down table with the down GEMM as one flattened persistent loop over (tile, K step)
-              (experts.triton.FLAT_DOWN = True; moe_gemm_tma._down_flat; no half tiles in down)
+              (pinned: KernelOptions(pin={"gate_up": "tma_gather_x"}); moe_gemm_tma.gather_rows_kernel);
+              no_gather_x: the gate_up pinned to "tma" (the plan takes gather_x by its rule,
+              moeflow.tuning.rules gather_x_*)
+    gu_pers   table with the gate_up persistent (one program per SM); gu_pers_gather_x: pinned to
+              tma_gather_x too
+    flat_down table with the down GEMM pinned to one flattened persistent loop over (tile, K step)
+              ("tma_flat"; moe_gemm_tma._down_flat; no half tiles in down); tiled_down: pinned to the tiled
+              TMA down ("tma"; the plan runs the bf16 down flat at short K on full 128-row tiles, rules
+              flat_down_max_k_steps: table is flat_down there)
     heuristic moeflow.tuning.default_config: what a card with no table of its own (and no Hopper
               sibling's, moeflow.tuning.table_device) runs (its K steps may differ: bits need not match)
-    tiled_down table with the down GEMM tiled (FLAT_DOWN = False; the default, None, runs the bf16
-              down flat at short K on full 128-row tiles: table is flat_down there)
-    ws_pp     ws in the ping-pong schedule (WS_COOP off; BM 128 plans otherwise run cooperative)
-    ws_pace   ws with padding second halves computed, not skipped (WS_PACE; ws_pace_gate_up: the
-              gate_up alone): whether pacing the half-padding tiles keeps the weight box's L2 sharing.
-              WS_PACE is on by default since 2026-12-06, so ws / ws_gate_up are paced too;
-              ws_nopace / ws_nopace_gate_up skip the padding halves (the schedule before)
-    ws_g<G>   ws with GROUP_M = G (1, 4, 16, 64): how much the grouped order's L2 reuse matters to them
-    ws_grid   ws with one CTA a tile instead of one persistent CTA an SM (triton_ws.WS_TILE_GRID; ws_grid_gate_up /
-              ws_grid_down: that GEMM alone): whether the persistent CTAs' drift costs their L2 sharing
-    ws_down   table with the down GEMM by the warp-specialised Gluon kernel (experts.triton.WS_DOWN;
-              moeflow/kernels/moe_gemm_ws.py: ping-pong consumers, a TMA producer warp); the same bits
-    ws_gate_up table with the gate_up by its Gluon kernel (WS_GATE_UP); ws: both
     other_bk  table with both GEMMs' BK switched 64 <-> 128 (stages cut to fit): whether BK changes the
               bits of the wgmma kernels (each k16 step joins one accumulator in order, so it should
               not; if it does not, the batch-invariant mode need not fix BK)
@@ -46,20 +34,20 @@ round-robin (benchmarks.common.time_cuda_graphs_interleaved):
     gmm       (--gmm) torch's grouped GEMM (F.grouped_mm: CUTLASS's sm90 grouped kernel on Hopper) for
               gate_up and down plus the activation, on rows already sorted by expert (no sort, no
               combine: less work than a step; benchmarks/bench_experts.torch_gmm_runner), checked
-              against our output after its unpermute and combine (rel-L2 <= 2e-2). It answers issue
-              16 item 1's question: is another existing kernel faster at this point?
+              against our output after its unpermute and combine (rel-L2 <= 2e-2). It answers the
+              question: is another existing kernel faster at this point?
 Each variant's output is compared with its base bit for bit ("bits": = or !=; table for half /
 full, bi for bi_*): a row's dot products take the same K steps whatever the tile height or
 schedule, so the bits must match.
 
 Why the roof in the rotation: a prefill step runs the H200 at its 700 W power cap, where its SM
-clock drops from 1980 MHz to 1300-1700 MHz (nvidia-smi, 2026-12-04); torch.mm timed alone for a
-few milliseconds runs before the cap bites. "compute" = 2*3*T*K*H*I FLOP / our time / that
+clock drops from 1980 MHz to 1300-1700 MHz (nvidia-smi during this tool's run); torch.mm timed alone
+for a few milliseconds runs before the cap bites. "compute" = 2*3*T*K*H*I FLOP / our time / that
 sustained roof's FLOP/s; "compute_burst" divides by benchmarks.common.compute_roof_flops.
 
-    PYTHONPATH=. python benchmarks/diag_half_tiles.py --json OUT.json
-    PYTHONPATH=. python benchmarks/diag_half_tiles.py --points deepseek-v3:8192 --routing uniform
-    TRITON_INTERPRET=1 PYTHONPATH=. python benchmarks/diag_half_tiles.py --dry-run
+    PYTHONPATH=. python tools/diag_half_tiles.py --json OUT.json
+    PYTHONPATH=. python tools/diag_half_tiles.py --points deepseek-v3:8192 --routing uniform
+    TRITON_INTERPRET=1 PYTHONPATH=. python tools/diag_half_tiles.py --dry-run
 """
 
 from __future__ import annotations
@@ -96,20 +84,12 @@ def variants(table: MoETileConfig, bi: MoETileConfig, heuristic: MoETileConfig |
         out["bi_half"] = dataclasses.replace(bi, half_tail=not bi.half_tail)
     out["bi_pers"] = dataclasses.replace(bi, gate_up=dataclasses.replace(bi.gate_up, persistent=True),
                                          down=dataclasses.replace(bi.down, persistent=True))
-    out["two_dot"] = table
     out["gather_x"] = table
     out["no_gather_x"] = table
     gu_pers = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, persistent=True))
     out["gu_pers"] = out["gu_pers_gather_x"] = gu_pers
-    out["gather_x_ws_down"] = table
     out["flat_down"] = table
     out["tiled_down"] = table
-    for v in ("ws_down", "ws_gate_up", "ws", "ws_pp", "ws_pace", "ws_pace_gate_up", "ws_nopace", "ws_nopace_gate_up",
-              "ws_grid", "ws_grid_gate_up", "ws_grid_down"):
-        out[v] = table
-    for g in WS_GROUPS:  # the Gluon kernels at other grouped orders (GROUP_M 64-row tiles a group)
-        out[f"ws_g{g}"] = dataclasses.replace(table, gate_up=dataclasses.replace(table.gate_up, group_m=g),
-                                              down=dataclasses.replace(table.down, group_m=g))
     out["other_bk"] = dataclasses.replace(table, gate_up=_other_bk(table.gate_up, table.block_m, 2),
                                           down=_other_bk(table.down, table.block_m, 1))
     return out
@@ -127,45 +107,10 @@ def _other_bk(t: GemmTile, block_m: int, b_tiles: int) -> GemmTile:
     return dataclasses.replace(t, block_k=bk, num_stages=max(1, min(t.num_stages, _STAGE_BYTES // stage)))
 
 
-# GROUP_M of the ws_g<G> variants
-WS_GROUPS = (1, 4, 16, 64)
-# variants that are `table` run with module flags of moeflow.experts.triton set (read at launch)
-FLAGS = {**{f"ws_g{g}": {"WS_DOWN": True, "WS_GATE_UP": True} for g in WS_GROUPS},
-         "two_dot": {"FUSED_GATE_UP": False}, "gather_x": {"GATHER_X": True}, "no_gather_x": {"GATHER_X": False},
-         "gu_pers_gather_x": {"GATHER_X": True},
-         "gather_x_ws_down": {"GATHER_X": True, "WS_DOWN": True}, "flat_down": {"FLAT_DOWN": True}, "tiled_down": {"FLAT_DOWN": False},
-         "ws_down": {"WS_DOWN": True}, "ws_gate_up": {"WS_GATE_UP": True},
-         "ws": {"WS_DOWN": True, "WS_GATE_UP": True}, "ws_pp": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_COOP": False},
-         "ws_pace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": True},
-         "ws_pace_gate_up": {"WS_GATE_UP": True, "WS_PACE": True},
-         "ws_nopace": {"WS_DOWN": True, "WS_GATE_UP": True, "WS_PACE": False},
-         "ws_nopace_gate_up": {"WS_GATE_UP": True, "WS_PACE": False},
-         "ws_grid": {"WS_DOWN": True, "WS_GATE_UP": True, "triton_ws.WS_TILE_GRID": True},
-         "ws_grid_gate_up": {"WS_GATE_UP": True, "triton_ws.WS_TILE_GRID": True},
-         "ws_grid_down": {"WS_DOWN": True, "triton_ws.WS_TILE_GRID": True}}
-for _flags in FLAGS.values():  # ws variants not named _grid: one persistent CTA an SM (the tile grid is the default)
-    if "WS_DOWN" in _flags or "WS_GATE_UP" in _flags:
-        _flags.setdefault("triton_ws.WS_TILE_GRID", False)
-
-
-class Flagged:
-    """An impl run with moeflow.experts.triton.<flag> = value for each of flags (read at launch, so at
-    graph capture); a flag "module.NAME" is moeflow.experts.<module>.NAME."""
-
-    def __init__(self, impl, flags: dict):
-        self.impl, self.flags = impl, flags
-
-    def forward_tokens(self, *args):
-        import contextlib
-        import importlib
-        from unittest import mock
-
-        with contextlib.ExitStack() as stack:
-            for flag, value in self.flags.items():
-                mod, _, name = flag.rpartition(".")
-                module = importlib.import_module(f"moeflow.experts.{mod or 'triton'}")
-                stack.enter_context(mock.patch.object(module, name, value))
-            return self.impl.forward_tokens(*args)
+# variants that are their tiles run with a variant pinned (KernelOptions.pin)
+PINS = {"gather_x": {"gate_up": "tma_gather_x"}, "no_gather_x": {"gate_up": "tma"},
+        "gu_pers_gather_x": {"gate_up": "tma_gather_x"}, "flat_down": {"down": "tma_flat"},
+        "tiled_down": {"down": "tma"}}
 
 
 def mm_roof(step_s: float, dev) -> tuple[object, float]:
@@ -213,6 +158,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dry-run", action="store_true", help="CPU, fp32, tiny shape, under TRITON_INTERPRET=1")
     args = ap.parse_args(argv)
 
+    from moeflow.experts.options import KernelOptions
     from moeflow.experts.triton import TritonExperts
 
     if args.dry_run:
@@ -285,12 +231,20 @@ def main(argv=None) -> int:
             ids, wts = routing(T, E, K, dist, dev)
             x = torch.randn(T, H, device=dev, dtype=dtype)
             # the interpreter takes the TMA kernels only when asked (tma=True), the GPU by default
-            impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c, tma=True if cpu else None)
+            impls = {v: TritonExperts(allow_cpu=cpu, tile_config=c,
+                                      options=KernelOptions(tma=True if cpu else None, pin=PINS.get(v, {})))
                      for v, c in named.items()}
-            for v, flags in FLAGS.items():
-                if v in impls:
-                    impls[v] = Flagged(impls[v], flags)
-            outs = {v: impl.forward_tokens(x, ids, wts, w, cfg).clone() for v, impl in impls.items()}
+            outs = {}
+            for v, impl in list(impls.items()):
+                try:
+                    outs[v] = impl.forward_tokens(x, ids, wts, w, cfg).clone()
+                except Exception as exc:  # a pinned variant the plan refuses here says why; the rest run
+                    if v == "table":
+                        raise
+                    print(f"{name:14s} T={T:5d} {dist:7s} {v:8s} refused: {type(exc).__name__}: {str(exc)[:200]}",
+                          flush=True)
+                    rows.append(dict(shape=name, T=T, routing=dist, variant=v, status=f"refused: {exc}"[:300]))
+                    del impls[v]
             fns = {v: (lambda impl=impl, a=(x, ids, wts, w, cfg): impl.forward_tokens(*a)) for v, impl in impls.items()}
             if peer is not None:
                 err = float((peer(x, ids, wts).float() - outs["table"].float()).norm() / outs["table"].float().norm())
@@ -304,6 +258,8 @@ def main(argv=None) -> int:
             print(f"{name:14s} T={T:5d} {dist:7s} sustained roof {times['roof_flops'] / 1e12:.1f} TFLOP/s "
                   f"(burst {roof / 1e12:.1f})", flush=True)
             for v, c in named.items():
+                if v not in outs:
+                    continue
                 base = "bi" if v.startswith("bi_") else "table"  # full: same bits as half
                 row = dict(shape=name, T=T, routing=dist, variant=v, us=times[v] * 1e6,
                            compute_frac=flop / times[v] / times["roof_flops"], compute_burst=flop / times[v] / roof,

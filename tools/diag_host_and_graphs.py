@@ -1,8 +1,10 @@
 """Diagnostics (GPU): Triton launch overhead, host time of one patched MoE layer, CUDA-graph decode at batch 1 / 16.
 
-What benchmarks/RESULTS.md's "Host time of a patched layer" (2026-12-03) quotes. Prints only; asserts nothing.
+What benchmarks/RESULTS.md's "Host time of a patched layer" quotes. Prints only; asserts nothing. The layer
+section times one layer with its Triton experts launched through Triton's JIT binder and through the cached
+launchers (KernelOptions(fast_launch=False / True)).
 
-    PYTHONPATH=. python3 benchmarks/diag_host_and_graphs.py
+    PYTHONPATH=. python3 tools/diag_host_and_graphs.py
 """
 
 import argparse
@@ -123,13 +125,14 @@ def layer_host_time(profile: bool = True):
         model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
     moeflow.patch_model(model, experts="triton")
 
+    from moeflow.experts.options import KernelOptions
+    from moeflow.experts.triton import TritonExperts
+
     layer = [m for m in model.modules() if isinstance(m, MoELayer)][0]
     print("layer", type(layer).__name__)
-    from moeflow.kernels import launch
-
     # A/B in one process: every launch through Triton's JIT, then through FastKernel's cache
     for fast in (False, True):
-        launch.ENABLED = fast
+        layer.experts_impl = TritonExperts(options=KernelOptions(fast_launch=fast))
         print(f"-- launches {'through FastKernel (cached compiled kernels)' if fast else 'through the Triton JIT'}")
         _layer_host_rows(layer, profile=fast and profile)
 

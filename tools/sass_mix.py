@@ -1,11 +1,11 @@
 """Offline SASS of a moeflow Triton kernel (no GPU): compile for a CUDA target, count the instructions
 of its longest loop.
 
-Why: instruction counts per weight value explained the FP4 GEMV's limit (issue-bound, RESULTS.md
-2026-12-03 seventh session) before any device time was spent; Triton ships ptxas and nvdisasm, so
+Why: instruction counts per weight value explained the FP4 GEMV's limit (issue-bound: ALU the busiest
+pipe under ncu) before any device time was spent; Triton ships ptxas and nvdisasm, so
 any machine with the triton package can compile for sm_90 and read the result.
 
-    PYTHONPATH=. python benchmarks/sass_mix.py moeflow.kernels.moe_gemm_quant:moe_down_w4_gemv_kernel \\
+    PYTHONPATH=. python tools/sass_mix.py moeflow.kernels.moe_gemm_quant:moe_down_w4_gemv_kernel \\
         --types act_ptr=*bf16,w_ptr=*u8,s_ptr=*u8,s2_ptr=*fp32,b_ptr=*bf16,y_ptr=*bf16,ids_ptr=*i32 \\
         --const stride_sk=1,FMT=1,G=32,HAS_BIAS=1,BLOCK_N=16,BLOCK_K=512,ASM=1 \\
         --div16 H,I,stride_an,stride_we,stride_wn,stride_se,stride_be,stride_yn --warps 4

@@ -1,4 +1,4 @@
-"""benchmarks/diag_tile_padding.py: rows the tensor cores compute per tile scheme (pure torch, CPU)."""
+"""tools/diag_tile_padding.py: rows the tensor cores compute per tile scheme (pure torch, CPU)."""
 
 import sys
 from pathlib import Path
@@ -6,10 +6,10 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.diag_tile_padding import main, point_counts, rows_computed, useful_fraction  # noqa: E402
+from tools.diag_tile_padding import main, point_counts, rows_computed, useful_fraction  # noqa: E402
 
 
 def test_rows_computed_by_hand():

@@ -7,7 +7,7 @@ patches it with moeflow, times one prefill forward (wall, CUDA events) and the G
 kernel time (torch profiler), and prints the top host functions by cumulative time
 (cProfile) of the same forward. Nothing is asserted: it is a diagnosis tool.
 
-    python3 benchmarks/profile_host_overhead.py --shape qwen3-30b-a3b --layers 4 --T 2048
+    python3 tools/profile_host_overhead.py --shape qwen3-30b-a3b --layers 4 --T 2048
 """
 
 from __future__ import annotations

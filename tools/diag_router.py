@@ -1,4 +1,4 @@
-"""Where a decode router step's time goes (issue 14 item 4): GEMM vs selection, per config.
+"""Where a decode router step's time goes: GEMM vs selection, per config.
 
 CUDA-graph replay times (L2 flushed) at T = 1 and 8 for each standard shape: the fused step,
 the two-kernel step, the logits GEMM alone and the selection alone (on precomputed logits),
@@ -9,7 +9,7 @@ config's ids (a config changes the logits' f32 summation order, so ids may diffe
 near ties: the count is printed). Also: a trivial kernel's graph replay (the launch floor) and
 the GEMM's cost at T = 2048 for each candidate (what a candidate would cost prefill).
 
-    python3 benchmarks/diag_router.py [--shapes qwen3-30b-a3b,deepseek-v3] [--json OUT]
+    python3 tools/diag_router.py [--shapes qwen3-30b-a3b,deepseek-v3] [--json OUT]
 """
 
 from __future__ import annotations

@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Nsight Compute summaries of moeflow's hot kernels (GPU): one ncu process per case of
-# benchmarks/ncu_kernels.py, then a table of every profiled kernel (OUTDIR/ncu_summary.md).
+# tools/ncu_kernels.py, then a table of every profiled kernel (OUTDIR/ncu_summary.md).
 #
-#   bash benchmarks/ncu_profile.sh OUTDIR [CASE...]      # no CASE: every case, in --names order
+#   bash tools/ncu_profile.sh OUTDIR [CASE...]      # no CASE: every case, in --names order
 #
 # Writes OUTDIR/ncu_CASE.txt (ncu's text report + the case's own lines), OUTDIR/info_CASE.json
 # (shape, T, path, tiles, un-profiled time, Triton registers / spills), OUTDIR/ncu_runs.tsv (case,
@@ -16,8 +16,9 @@
 # default 225; the pre-compile counts), NCU_PREWARM_JOBS (parallel pre-compile processes, default 4;
 # 0: none), NCU_PREWARM_S (the pre-compile's time limit, default 90), NCU_EXTRA (more ncu arguments,
 # word-split), NCU_CASE_ARGS (more ncu_kernels.py arguments, word-split; the CPU test passes --tiny
-# with a stand-in ncu). A case that times out with PDL on is profiled once more with MOEFLOW_PDL=0
-# (ncu_runs.tsv says so; the first report is kept as OUTDIR/pdl_timeout_CASE.txt).
+# with a stand-in ncu). A case that times out with PDL on is profiled once more with --no-pdl
+# (ncu_kernels.py: KernelOptions(pdl=False); ncu_runs.tsv says so; the first report is kept as
+# OUTDIR/pdl_timeout_CASE.txt).
 set -u
 OUT=${1:?usage: ncu_profile.sh OUTDIR [CASE...]}
 shift
@@ -82,7 +83,7 @@ echo "ncu_profile: sections ${SECTION_ARGS[*]}; extra metrics: ${metrics:-none}"
 NCU_ARGS=(--clock-control none --target-processes application-only --profile-from-start off
   ${SECTION_ARGS[@]+"${SECTION_ARGS[@]}"} ${METRIC_ARGS[@]+"${METRIC_ARGS[@]}"} --print-summary none
   ${EXTRA[@]+"${EXTRA[@]}"})
-echo "ncu ${NCU_ARGS[*]} $PY benchmarks/ncu_kernels.py CASE --info-json OUTDIR/info_CASE.json" \
+echo "ncu ${NCU_ARGS[*]} $PY tools/ncu_kernels.py CASE --info-json OUTDIR/info_CASE.json" \
   > "$OUT/ncu_command.txt"
 
 # Pre-compile: every case's warm-up forward in NCU_PREWARM_JOBS parallel processes without ncu
@@ -97,11 +98,14 @@ if [ "$PREWARM_JOBS" -gt 0 ]; then
   echo "ncu_profile: pre-compile rc=$? in $(( $(date +%s) - pw0 ))s ($PREWARM_JOBS at once; log $OUT/prewarm.log)"
 fi
 
-profile_case() {  # CASE TIMEOUT_S: one ncu process, its text report in OUTDIR/ncu_CASE.txt
-  timeout -k 5 "$2" "$NCU" "${NCU_ARGS[@]}" \
-    "$PY" "$HERE/ncu_kernels.py" "$1" --info-json "$OUT/info_$1.json" ${CASE_ARGS[@]+"${CASE_ARGS[@]}"} \
-    > "$OUT/ncu_$1.txt" 2>&1
+profile_case() {  # CASE TIMEOUT_S [ncu_kernels.py ARGS...]: one ncu process, its text report in OUTDIR/ncu_CASE.txt
+  local c=$1 t=$2
+  shift 2
+  timeout -k 5 "$t" "$NCU" "${NCU_ARGS[@]}" \
+    "$PY" "$HERE/ncu_kernels.py" "$c" --info-json "$OUT/info_$c.json" ${CASE_ARGS[@]+"${CASE_ARGS[@]}"} "$@" \
+    > "$OUT/ncu_$c.txt" 2>&1
 }
+case " ${CASE_ARGS[*]-} " in *" --no-pdl "*) PDL_ON=0 ;; *) PDL_ON=1 ;; esac
 
 printf 'case\trc\twall_s\tnote\n' > "$OUT/ncu_runs.tsv"
 for c in "${CASES[@]}"; do
@@ -123,7 +127,7 @@ for c in "${CASES[@]}"; do
     metrics=""
     NCU_ARGS=(--clock-control none --target-processes application-only --profile-from-start off
       ${SECTION_ARGS[@]+"${SECTION_ARGS[@]}"} --print-summary none ${EXTRA[@]+"${EXTRA[@]}"})
-    echo "ncu ${NCU_ARGS[*]} $PY benchmarks/ncu_kernels.py CASE --info-json OUTDIR/info_CASE.json" \
+    echo "ncu ${NCU_ARGS[*]} $PY tools/ncu_kernels.py CASE --info-json OUTDIR/info_CASE.json" \
       > "$OUT/ncu_command.txt"
     left=$((BUDGET - ($(date +%s) - START)))
     if [ "$left" -lt "$to" ]; then to=$left; fi
@@ -133,26 +137,27 @@ for c in "${CASES[@]}"; do
     fi
   fi
   pdl_note=""
-  if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ "${MOEFLOW_PDL:-1}" != "0" ]; then
+  if { [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; } && [ "$PDL_ON" = 1 ]; then
     # A case that timed out gets one more try, with programmatic dependent launch off: under ncu's kernel
-    # replay the Gluon fp8 gate_up at qwen3-235b T=8192 hung in 2 of 10 runs with PDL on (H100, 2026-12-06;
-    # never outside ncu, 2000 forwards), and the retry with MOEFLOW_PDL=0 profiled it. PDL changes when a
-    # kernel may start, not what it computes, so the per-kernel sections stay comparable; the note and the
-    # kept report (pdl_timeout_CASE.txt, a name the summary does not read as a case) say so.
+    # replay the Gluon fp8 gate_up at qwen3-235b T=8192 hung in 2 of 10 H100 runs with PDL on (never outside
+    # ncu, 2000 forwards), and the retry without PDL profiled it (`bash tools/ncu_profile.sh OUT
+    # quant_fp8_prefill_t8192_qwen3_235b`). PDL changes when a kernel may start, not what it computes, so
+    # the per-kernel sections stay comparable; the note and the kept report (pdl_timeout_CASE.txt, a name
+    # the summary does not read as a case) say so.
     left=$((BUDGET - ($(date +%s) - START)))
     if [ "$left" -lt "$to" ]; then to=$left; fi
     if [ "$to" -ge 15 ]; then
       mv "$OUT/ncu_$c.txt" "$OUT/pdl_timeout_${c}.txt"
-      echo "ncu_profile: $c timed out with PDL on: profiling it again with MOEFLOW_PDL=0" >&2
-      MOEFLOW_PDL=0 profile_case "$c" "$to"
+      echo "ncu_profile: $c timed out with PDL on: profiling it again with --no-pdl" >&2
+      profile_case "$c" "$to" --no-pdl
       rc=$?
-      pdl_note="timed out with PDL on; profiled with MOEFLOW_PDL=0"
+      pdl_note="timed out with PDL on; profiled with --no-pdl"
     fi
   fi
   wall=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.1f", b - a }')
   note=$pdl_note
   if [ "$rc" -eq 124 ] || [ "$rc" -eq 137 ]; then
-    note="timeout after ${to}s${pdl_note:+, with PDL on and again with MOEFLOW_PDL=0}"
+    note="timeout after ${to}s${pdl_note:+, with PDL on and again with --no-pdl}"
   elif grep -q "No kernels were profiled" "$OUT/ncu_$c.txt"; then
     note="no kernels profiled"
   elif [ "$rc" -ne 0 ]; then

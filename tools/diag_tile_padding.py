@@ -7,11 +7,11 @@ rows computed, over all experts. Schemes:
     128+<tails>  full 128-row tiles, then one tail tile of the smallest listed height that holds
                  the expert's remainder (64: wgmma's M per warpgroup; smaller tails only save work
                  where the kernel can issue smaller MMAs).
-The issue-16 prefill misses were explained with this (RESULTS.md, 2026-12-04 second session):
-at deepseek-v3 T = 8192 (256 +- 15 rows per expert) BM 128 computes 19% padding.
+Why: where a prefill point misses its compute roof, padding is one suspect; at deepseek-v3 T = 8192
+(256 +- 15 rows per expert) BM 128 computes 19% padding (`python3 tools/diag_tile_padding.py`).
 
-    python3 benchmarks/diag_tile_padding.py                                  # the standard prefill points
-    python3 benchmarks/diag_tile_padding.py --points deepseek-v3:8192,qwen3-30b-a3b:2048 --routing zipf
+    python3 tools/diag_tile_padding.py                                  # the standard prefill points
+    python3 tools/diag_tile_padding.py --points deepseek-v3:8192,qwen3-30b-a3b:2048 --routing zipf
 """
 
 from __future__ import annotations

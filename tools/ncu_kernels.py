@@ -3,21 +3,26 @@
 Legend: T tokens, K slots, E experts, H hidden, I intermediate per expert; "forward" = one call of
 the case's entry point (router step or experts forward_tokens), all its kernel launches.
 
-    python3 benchmarks/ncu_kernels.py --list                      # the cases, in profiling order
-    python3 benchmarks/ncu_kernels.py CASE [--info-json PATH]     # set up, warm up, profile one forward
-    python3 benchmarks/ncu_kernels.py CASE --compile-only         # set up and warm up only (Triton's cache)
-    python3 benchmarks/ncu_kernels.py summarize OUTDIR            # ncu_*.txt in OUTDIR -> table + ncu_summary.md
-    TRITON_INTERPRET=1 python3 benchmarks/ncu_kernels.py --tiny CASE   # CPU smoke run at tiny shapes
+    python3 tools/ncu_kernels.py --list                      # the cases, in profiling order
+    python3 tools/ncu_kernels.py CASE [--info-json PATH]     # set up, warm up, profile one forward
+    python3 tools/ncu_kernels.py CASE --compile-only         # set up and warm up only (Triton's cache)
+    python3 tools/ncu_kernels.py CASE --no-pdl               # the same with KernelOptions(pdl=False)
+    python3 tools/ncu_kernels.py summarize OUTDIR            # ncu_*.txt in OUTDIR -> table + ncu_summary.md
+    TRITON_INTERPRET=1 python3 tools/ncu_kernels.py --tiny CASE   # CPU smoke run at tiny shapes
 
 A case builds random bf16 weights on CUDA at the real shape with the benchmarks' own builders
 (tune_experts.make_weights / routing, bench_experts_quant.build_weights, bench_routing.make_inputs),
 runs the forward `--warmup` times (Triton compiles here, outside the profiled range), times it with
 CUDA events (L2 flushed, median of 5: the un-profiled reference for ncu's durations), then calls
 cudaProfilerStart, runs the forward `--reps` times (default 1), synchronizes and calls
-cudaProfilerStop. Run it under `ncu --profile-from-start off` (benchmarks/ncu_profile.sh) so only
-those launches are profiled. `--info-json` writes the case's facts (shape, T, path, tiles, bytes and
-FLOP of the forward, the un-profiled time, and every compiled Triton kernel's registers / spills /
-shared memory) for the summary.
+cudaProfilerStop. Run it under `ncu --profile-from-start off` (tools/ncu_profile.sh) so only
+those launches are profiled. `--info-json` writes the case's facts (shape, T, kernel options, tiles,
+bytes and FLOP of the forward, the un-profiled time, and every compiled Triton kernel's registers /
+spills / shared memory) for the summary.
+
+An experts case runs the library's defaults unless it pins a variant (Case.pin, passed as
+KernelOptions(pin=...)); --no-pdl adds pdl=False (ncu_profile.sh's retry of a case that hangs under
+ncu's replay with programmatic dependent launch on).
 
 The summariser parses ncu's default text output (per kernel: "name (grid)x(block), Context ..,
 Stream .." then "Section: <title>" tables of Metric Name / Metric Unit / Metric Value and OPT/INF
@@ -48,7 +53,7 @@ if str(ROOT) not in sys.path:
 @dataclass(frozen=True)
 class Case:
     name: str
-    kind: str  # "experts" | "experts_ws" | "gmm" | "quant" | "router_fused" | "router_2k"
+    kind: str  # "experts" | "gmm" | "quant" | "router_fused" | "router_2k"
     shape: str  # a standard shape (benchmarks/common.py STANDARD_SHAPES / bench_experts_quant.SHAPES)
     T: int
     what: str
@@ -59,23 +64,9 @@ class Case:
     # experts cases: tune_experts.routing's distribution ("balanced": every expert T * K / E rows, so at
     # deepseek-v3 T=4096 each expert is one 128-row tile whose weights no other tile reads)
     dist: str = "uniform"
-    # experts_ws cases: the cooperative schedule paced or not (experts.triton.WS_PACE: padding halves computed);
-    # None: the library's default (paced since 2026-12-06; the ws_* results before that date are unpaced)
-    pace: bool | None = None
-    # quant cases: the fp8 GEMMs by the warp-specialised Gluon kernels (experts.triton_quant.FP8_WS_DOWN and
-    # FP8_WS_GATE_UP on; moe_gemm_fp8_ws.py)
-    fp8_ws: bool = False
-    # experts_ws and fp8_ws cases: the Gluon kernels one CTA a tile instead of one persistent CTA an SM
-    # (experts.triton_ws.WS_TILE_GRID)
-    ws_tile_grid: bool = False
-    # fp8_ws cases: the down's tiles claimed at run time (experts.triton_ws.WS_DYNAMIC_TILES)
-    ws_dynamic: bool = False
-    # quant cases: the fp8 GEMMs by the Triton kernels only (experts.triton_quant.FP8_WS_GATE_UP = False, where
-    # the rule would take the Gluon gate_up from H >= 4096)
-    fp8_triton: bool = False
-    # experts cases: experts.triton.GATHER_X for this process (the gate_up's rows copied into pair order and
-    # read by TMA); None: the library's rule
-    gather_x: bool | None = None
+    # experts and quant cases: variants forced for this case, (stage, variant) pairs (KernelOptions.pin;
+    # names in moeflow.experts.plan.VARIANTS); () runs the plan's own choice
+    pin: tuple[tuple[str, str], ...] = ()
 
     @property
     def tiny_shape(self) -> str:
@@ -83,13 +74,21 @@ class Case:
             if self.shape.endswith("-nvfp4"):
                 return "tiny-nvfp4"
             return "tiny-fp8" if self.shape in ("deepseek-v3", "qwen3-30b-a3b-fp8", "qwen3-235b-a22b-fp8") else "tiny-mxfp4"
-        if self.kind in ("experts", "experts_ws", "gmm"):
+        if self.kind in ("experts", "gmm"):
             return "tiny-gptoss" if self.shape == "gpt-oss-120b" else "tiny-silu"
         return self.shape  # router: the real spec and E, H cut down (see _router_inputs)
 
+    def options(self, *, tiny: bool, pdl: bool = True):
+        """The KernelOptions of the case's experts. Under --tiny a pinned case asks for TMA (the
+        interpreter runs TMA kernels only when asked; the pinned variants are TMA ones)."""
+        from moeflow.experts.options import KernelOptions
 
-# In profiling order (a run cut short by its time budget loses the last): the bf16 expert kernels
-# (issue 16 item 4), the router step (cheap), then the quantized experts (the heaviest setups).
+        return KernelOptions(tma=True if (tiny and self.pin) else None, pdl=None if pdl else False,
+                             pin=dict(self.pin))
+
+
+# In profiling order (a run cut short by its time budget loses the last): the bf16 expert kernels,
+# the router step (cheap), then the quantized experts (the heaviest setups).
 CASES: tuple[Case, ...] = (
     Case("experts_decode_t1_qwen3", "experts", "qwen3-30b-a3b", 1,
          "TritonExperts() default path, T=1 (align, gate_up, down, combine)"),
@@ -101,65 +100,35 @@ CASES: tuple[Case, ...] = (
     Case("experts_prefill_t8192_mixtral", "experts", "mixtral-8x7b", 8192, "TritonExperts() T=8192", tiny_T=64),
     Case("experts_prefill_t2048_deepseek_v3", "experts", "deepseek-v3", 2048, "TritonExperts() T=2048",
          tiny_T=64),
-    Case("experts_prefill_t8192_deepseek_v3", "experts", "deepseek-v3", 8192,
-         "TritonExperts() T=8192 (issue 16 item 1: 0.59 of compute)", tiny_T=64),
-    Case("experts_prefill_t2048_mixtral", "experts", "mixtral-8x7b", 2048,
-         "TritonExperts() T=2048 (issue 16 item 1: 0.71 of compute)", tiny_T=64),
-    Case("experts_prefill_t512_gpt_oss", "experts", "gpt-oss-120b", 512,
-         "TritonExperts() T=512, gpt-oss (issue 16: 0.91x the peer)", tiny_T=64),
+    Case("experts_prefill_t8192_deepseek_v3", "experts", "deepseek-v3", 8192, "TritonExperts() T=8192", tiny_T=64),
+    Case("experts_prefill_t2048_mixtral", "experts", "mixtral-8x7b", 2048, "TritonExperts() T=2048", tiny_T=64),
+    Case("experts_prefill_t512_gpt_oss", "experts", "gpt-oss-120b", 512, "TritonExperts() T=512, gpt-oss",
+         tiny_T=64),
     Case("experts_prefill_t8192_gpt_oss", "experts", "gpt-oss-120b", 8192, "TritonExperts() T=8192, gpt-oss",
          tiny_T=64),
     Case("experts_prefill_t8192_ds_v41", "experts", "ds-v4.1-like", 8192, "TritonExperts() T=8192, ds-v4.1-like",
          tiny_T=64),
-    Case("experts_prefill_t2048_qwen3", "experts", "qwen3-30b-a3b", 2048,
-         "TritonExperts() T=2048 (issue 16 item 1: 0.68 of the roof, H100)", tiny_T=64),
+    Case("experts_prefill_t2048_qwen3", "experts", "qwen3-30b-a3b", 2048, "TritonExperts() T=2048", tiny_T=64),
     # torch's grouped GEMM (CUTLASS's sm90 grouped kernel) at the same points: what another existing
-    # kernel's tensor pipe reaches there (issue 16 item 1)
+    # kernel's tensor pipe reaches there
     Case("gmm_prefill_t8192_qwen3", "gmm", "qwen3-30b-a3b", 8192,
          "torch grouped_mm gate_up + act + down on rows pre-sorted by expert, T=8192", tiny_T=64),
     Case("gmm_prefill_t8192_deepseek_v3", "gmm", "deepseek-v3", 8192,
          "torch grouped_mm gate_up + act + down on rows pre-sorted by expert, T=8192", tiny_T=64),
-    # the warp-specialised Gluon GEMMs (experts.triton.WS_GATE_UP / WS_DOWN on; moe_gemm_ws.py)
-    Case("ws_prefill_t8192_qwen3", "experts_ws", "qwen3-30b-a3b", 8192,
-         "TritonExperts() T=8192 with the Gluon gate_up and down", tiny_T=64),
-    Case("ws_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
-         "TritonExperts() T=8192 with the Gluon gate_up and down", tiny_T=64),
-    # the same two with x one row (x_one_row): which operand the kernels re-read from DRAM (the cooperative
-    # Gluon gate_up read 36.4 GB for 15 GB of weights, H100 2026-12-05)
-    Case("ws_prefill_t8192_deepseek_v3_x1", "experts_ws", "deepseek-v3", 8192,
-         "as ws_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
+    # x one row (x_one_row): which operand the kernels re-read from DRAM, weights or activation rows
     Case("experts_prefill_t8192_deepseek_v3_x1", "experts", "deepseek-v3", 8192,
          "as experts_prefill_t8192_deepseek_v3, every token the same row of x", tiny_T=64, x_one_row=True),
     # balanced routing (Case.dist): every expert exactly 128 (T=4096) or 256 (T=8192) rows, no padding: the
-    # kernels' own speed. On the H100 (2026-12-06, RESULTS.md) both gate_up kernels read each weight once at
-    # T=8192 balanced (15.4 GB), where the cooperative Gluon one read them 2.4 times at uniform routing
-    Case("ws_prefill_t4096_deepseek_v3_bal", "experts_ws", "deepseek-v3", 4096,
-         "Gluon gate_up and down, T=4096, balanced routing (128 rows an expert)", tiny_T=64, dist="balanced"),
+    # kernels' own speed, each weight read once
     Case("experts_prefill_t4096_deepseek_v3_bal", "experts", "deepseek-v3", 4096,
          "TritonExperts() T=4096, balanced routing (128 rows an expert)", tiny_T=64, dist="balanced"),
-    Case("ws_prefill_t8192_deepseek_v3_bal", "experts_ws", "deepseek-v3", 8192,
-         "Gluon gate_up and down, T=8192, balanced routing (256 rows an expert)", tiny_T=64, dist="balanced"),
     Case("experts_prefill_t8192_deepseek_v3_bal", "experts", "deepseek-v3", 8192,
          "TritonExperts() T=8192, balanced routing (256 rows an expert)", tiny_T=64, dist="balanced"),
-    # the cooperative Gluon kernels paced (WS_PACE): whether their DRAM reads at uniform routing fall from
-    # 2.4x the weights (ws_prefill_t8192_deepseek_v3) towards the balanced case's 1x
-    Case("ws_pace_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
-         "Gluon gate_up and down, paced (WS_PACE), T=8192", tiny_T=64, pace=True),
-    # paced (the default since 2026-12-06) at Zipf routing, where the paced Gluon gate_up lost 10% to the Triton one
-    Case("ws_prefill_t8192_deepseek_v3_zipf", "experts_ws", "deepseek-v3", 8192,
-         "Gluon gate_up and down (paced), T=8192, Zipf routing", tiny_T=64, dist="zipf"),
-    # the same Gluon kernels one CTA a tile (WS_TILE_GRID): whether the persistent CTAs' drift is what makes them
-    # read their weights twice as often as the Triton kernels (H100, 2026-12-06, fourteenth session)
-    Case("ws_grid_prefill_t8192_deepseek_v3", "experts_ws", "deepseek-v3", 8192,
-         "Gluon gate_up and down (paced), one CTA a tile, T=8192", tiny_T=64, ws_tile_grid=True),
-    Case("ws_grid_prefill_t8192_deepseek_v3_zipf", "experts_ws", "deepseek-v3", 8192,
-         "Gluon gate_up and down (paced), one CTA a tile, T=8192, Zipf routing", tiny_T=64, dist="zipf",
-         ws_tile_grid=True),
     Case("experts_prefill_t8192_deepseek_v3_zipf_x1", "experts", "deepseek-v3", 8192,
          "TritonExperts() T=8192, Zipf routing, every token the same row of x", tiny_T=64, dist="zipf",
          x_one_row=True),
-    # Zipf routing (tune_experts.routing's "zipf") at the T=8192 points issue 16 item 1 misses: its padding
-    # and its few hot experts (many 128-row tiles of one expert) against the uniform cases above
+    # Zipf routing (tune_experts.routing's "zipf"): its padding and its few hot experts (many 128-row tiles
+    # of one expert) against the uniform cases above
     Case("experts_prefill_t8192_qwen3_zipf", "experts", "qwen3-30b-a3b", 8192, "TritonExperts() T=8192, Zipf routing",
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t8192_deepseek_v3_zipf", "experts", "deepseek-v3", 8192,
@@ -168,21 +137,18 @@ CASES: tuple[Case, ...] = (
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t8192_ds_v41_zipf", "experts", "ds-v4.1-like", 8192, "TritonExperts() T=8192, Zipf routing",
          tiny_T=64, dist="zipf"),
-    # the T=2048 points not profiled before (issue 16 item 1; RESULTS reads them against the HBM roof: each
-    # expert's 32-128 rows put a weight byte below the ridge) and ds-v4.1-like T=1 (item 3: 0.90x vLLM in one run)
-    # mixtral at Zipf routing: 0.718 (T=8192) and 0.684 (T=2048) of compute in the thirteenth session's rotation,
-    # against 0.824 / 0.709 at uniform; first profiled in the sixteenth session
     Case("experts_prefill_t8192_mixtral_zipf", "experts", "mixtral-8x7b", 8192, "TritonExperts() T=8192, Zipf routing",
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t2048_mixtral_zipf", "experts", "mixtral-8x7b", 2048, "TritonExperts() T=2048, Zipf routing",
          tiny_T=64, dist="zipf"),
-    # the gate_up's rows copied into pair order and read by TMA (experts.triton.GATHER_X, seventeenth session):
-    # on by the rule at mixtral T=8192 (the case above ran before it, without); forced on at T=2048, where the
-    # pointer-gathered gate_up was L1/L2-bound and the copy gained nothing in time
+    # the gate_up's rows copied into pair order and read by TMA (variant tma_gather_x), pinned: the plan takes it
+    # at mixtral T=8192 by its rule (moeflow.tuning.rules gather_x_*); at T=2048 the pointer-gathered gate_up is
+    # L1/L2-bound, and these two cases show what the copy changes there
     Case("experts_prefill_t8192_mixtral_zipf_gx", "experts", "mixtral-8x7b", 8192,
-         "TritonExperts() T=8192, Zipf routing, GATHER_X on", tiny_T=64, dist="zipf", gather_x=True),
+         "TritonExperts() T=8192, Zipf routing, gate_up pinned to tma_gather_x", tiny_T=64, dist="zipf",
+         pin=(("gate_up", "tma_gather_x"),)),
     Case("experts_prefill_t2048_mixtral_gx", "experts", "mixtral-8x7b", 2048,
-         "TritonExperts() T=2048, GATHER_X on", tiny_T=64, gather_x=True),
+         "TritonExperts() T=2048, gate_up pinned to tma_gather_x", tiny_T=64, pin=(("gate_up", "tma_gather_x"),)),
     Case("experts_prefill_t2048_qwen3_zipf", "experts", "qwen3-30b-a3b", 2048, "TritonExperts() T=2048, Zipf routing",
          tiny_T=64, dist="zipf"),
     Case("experts_prefill_t2048_deepseek_v3_zipf", "experts", "deepseek-v3", 2048,
@@ -195,8 +161,7 @@ CASES: tuple[Case, ...] = (
          tiny_T=64),
     Case("experts_prefill_t2048_ds_v41_zipf", "experts", "ds-v4.1-like", 2048,
          "TritonExperts() T=2048, ds-v4.1-like, Zipf routing", tiny_T=64, dist="zipf"),
-    Case("experts_decode_t1_ds_v41", "experts", "ds-v4.1-like", 1,
-         "TritonExperts() default path, T=1, ds-v4.1-like (issue 16 item 3)"),
+    Case("experts_decode_t1_ds_v41", "experts", "ds-v4.1-like", 1, "TritonExperts() default path, T=1, ds-v4.1-like"),
     Case("router_fused_t1_deepseek_v3", "router_fused", "deepseek-v3", 1,
          "router_step_cuda(fused=True) T=1: one launch (GEMM partials + last-program select)"),
     Case("router_fused_t1_qwen3", "router_fused", "qwen3-30b-a3b", 1, "router_step_cuda(fused=True) T=1"),
@@ -206,20 +171,16 @@ CASES: tuple[Case, ...] = (
          "TritonQuantExperts MXFP4 W4A16, T=1 (the GEMV path)"),
     Case("quant_mxfp4_gemv_t8_gpt_oss", "quant", "gpt-oss-120b", 8,
          "TritonQuantExperts MXFP4 W4A16, T=8 (the GEMV path, 32 pairs)"),
-    # the GEMV at the T no profile covered before (issue 15 item 6: the roof fraction of the seventh session, H100)
     *(Case(f"quant_mxfp4_gemv_t{t}_gpt_oss", "quant", "gpt-oss-120b", t,
-           f"TritonQuantExperts MXFP4 W4A16, T={t} (the GEMV path; issue 15: {r} of the roof)")
-      for t, r in ((2, "0.50"), (4, "0.60"), (16, "0.66"), (32, "0.55"))),
-    Case("quant_mxfp4_t64_gpt_oss", "quant", "gpt-oss-120b", 64,
-         "TritonQuantExperts MXFP4 W4A16, T=64 (the MMA path; issue 15: 0.30 of the roof)"),
+           f"TritonQuantExperts MXFP4 W4A16, T={t} (the GEMV path)") for t in (2, 4, 16, 32)),
+    Case("quant_mxfp4_t64_gpt_oss", "quant", "gpt-oss-120b", 64, "TritonQuantExperts MXFP4 W4A16, T=64 (the MMA path)"),
     Case("quant_mxfp4_prefill_t8192_gpt_oss", "quant", "gpt-oss-120b", 8192,
          "TritonQuantExperts MXFP4 W4A16, T=8192", tiny_T=64),
-    # NVFP4 (ModelOpt layout) at deepseek-v3's layer: first profiled in the sixteenth session (0.54 of the roof at T=1)
+    # NVFP4 (ModelOpt layout) at deepseek-v3's layer
     Case("quant_nvfp4_gemv_t1_deepseek_v3", "quant", "deepseek-v3-nvfp4", 1,
          "TritonQuantExperts NVFP4 W4A16, T=1 (the GEMV path)"),
     Case("quant_nvfp4_t64_deepseek_v3", "quant", "deepseek-v3-nvfp4", 64,
          "TritonQuantExperts NVFP4 W4A16, T=64 (the MMA path)"),
-    # the GEMV at the other NVFP4 decode T (0.68 / 0.74 / 0.71 / 0.72 of the roof in the sixteenth session)
     *(Case(f"quant_nvfp4_gemv_t{t}_deepseek_v3", "quant", "deepseek-v3-nvfp4", t,
            f"TritonQuantExperts NVFP4 W4A16, T={t} (the GEMV path)") for t in (2, 8, 16, 4)),
     Case("quant_fp8_decode_t1_deepseek_v3", "quant", "deepseek-v3", 1,
@@ -227,28 +188,17 @@ CASES: tuple[Case, ...] = (
     Case("quant_fp8_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
          "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192", tiny_T=64),
     Case("quant_fp8_decode_t2_deepseek_v3", "quant", "deepseek-v3", 2,
-         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=2 (issue 15: 0.81 of the HBM roof)"),
+         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=2"),
     Case("quant_fp8_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
-         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3 (issue 15: 1.17x our bf16)", tiny_T=64),
+         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3", tiny_T=64),
     Case("quant_fp8_prefill_t8192_qwen3_235b", "quant", "qwen3-235b-a22b-fp8", 8192,
-         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3-235b (issue 15: 1.22x our bf16)", tiny_T=64),
-    # the same with the Triton fp8 gate_up (level with the Gluon one there, x1.209 against x1.219, fifteenth
-    # session): under ncu's kernel replay the Gluon gate_up at this shape never finished (H100, seventeenth session)
+         "TritonQuantExperts(fp8=True) FP8 block W8A8, T=8192, qwen3-235b", tiny_T=64),
+    # the same with the Triton fp8 gate_up pinned (the plan takes the Gluon one from H = 4096; the two are level
+    # in time there). Under ncu's kernel replay with PDL on, the Gluon gate_up at this shape can hang
+    # (ncu_profile.sh then retries with --no-pdl); this case profiles the shape without it.
     Case("quant_fp8tri_prefill_t8192_qwen3_235b", "quant", "qwen3-235b-a22b-fp8", 8192,
-         "TritonQuantExperts(fp8=True), Triton fp8 GEMMs only (FP8_WS_GATE_UP off), T=8192, qwen3-235b", tiny_T=64,
-         fp8_triton=True),
-    # the same two through the Gluon warp-specialised fp8 GEMMs (same bits; on the H100 2026-12-06 no faster:
-    # deepseek-v3 T=8192 11.6 ms against 9.4 with the Gluon gate_up, 27 GB read from DRAM against 11)
-    Case("quant_fp8ws_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
-         "TritonQuantExperts(fp8=True), Gluon fp8 gate_up and down (FP8_WS_*), T=8192", tiny_T=64, fp8_ws=True),
-    Case("quant_fp8ws_prefill_t8192_qwen3", "quant", "qwen3-30b-a3b-fp8", 8192,
-         "TritonQuantExperts(fp8=True), Gluon fp8 gate_up and down (FP8_WS_*), T=8192", tiny_T=64, fp8_ws=True),
-    Case("quant_fp8ws_grid_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
-         "TritonQuantExperts(fp8=True), Gluon fp8 GEMMs one CTA a tile (WS_TILE_GRID), T=8192", tiny_T=64,
-         fp8_ws=True, ws_tile_grid=True),
-    Case("quant_fp8ws_dyn_prefill_t8192_deepseek_v3", "quant", "deepseek-v3", 8192,
-         "TritonQuantExperts(fp8=True), Gluon fp8 GEMMs, the down's tiles claimed at run time (WS_DYNAMIC_TILES), "
-         "T=8192", tiny_T=64, fp8_ws=True, ws_dynamic=True),
+         "TritonQuantExperts(fp8=True), gate_up pinned to fp8_tma (Triton), T=8192, qwen3-235b", tiny_T=64,
+         pin=(("gate_up", "fp8_tma"),)),
 )
 CASE_BY_NAME = {c.name: c for c in CASES}
 TINY_ROUTER_H = 256  # router hidden size under --tiny (the interpreter is slow)
@@ -303,17 +253,7 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     spec, weights, config, uniform routing (seed 0), x, and the facts every experts case reports."""
     import torch
 
-    import moeflow.experts.triton as TE
     from benchmarks.tune_experts import make_config, make_weights, routing, shape_spec
-
-    if case.gather_x is not None:  # one case a process: the flag stays set for it
-        TE.GATHER_X = case.gather_x
-    if case.kind == "experts_ws":  # this process profiles nothing else (one case a process)
-        TE.WS_GATE_UP = TE.WS_DOWN = True
-        if case.pace is not None:
-            TE.WS_PACE = case.pace
-        import moeflow.experts.triton_ws as TW
-        TW.WS_TILE_GRID = case.ws_tile_grid  # the case says which grid (the default changed: fifteenth session)
 
     spec = shape_spec(case.tiny_shape if tiny else case.shape)
     dtype = torch.float32 if tiny else torch.bfloat16
@@ -333,19 +273,35 @@ def _expert_inputs(case: Case, tiny: bool, dev) -> dict:
     return dict(spec=spec, w=w, cfg=make_config(spec), ids=ids, wts=wts, x=x, facts=facts)
 
 
-def _setup_experts(case: Case, tiny: bool, dev):
-    import moeflow.experts.triton as TE
+def _options_facts(options) -> dict:
+    return dict(options=dict(tma=options.tma, pdl=options.pdl, fast_launch=options.fast_launch,
+                             pin=dict(options.pin)))
+
+
+def _plan_facts(impl, w, K: int, T: int, info: dict, *, act_dtype, activation: str) -> None:
+    """What the case's forward launches, from the impl's KernelPlan (`impl.plan(...)`: path, each stage's
+    variant, tiles, its explain() text) into info: facts, never a reason not to profile."""
+    try:
+        plan = impl.plan(w, T, K, act_dtype=act_dtype, activation=activation)
+        info["path"] = plan.path
+        info["variants"] = {st.stage: st.variant for st in plan.stages}
+        if plan.tiles is not None:
+            info["tiles"] = plan.tiles.to_dict()
+        info["plan"] = plan.explain()
+    except Exception as e:  # a fact we could not get is reported, not fatal
+        info["plan_error"] = f"{type(e).__name__}: {e}"[:200]
+
+
+def _setup_experts(case: Case, tiny: bool, dev, pdl: bool = True):
     from moeflow.experts.triton import TritonExperts
 
-    a = _expert_inputs(case, tiny, dev)  # sets the Gluon flags of an experts_ws case
+    a = _expert_inputs(case, tiny, dev)
     x, ids, wts, w, cfg = a["x"], a["ids"], a["wts"], a["w"], a["cfg"]
-    T, K, E = a["facts"]["T"], a["facts"]["K"], a["facts"]["E"]
-    impl = TritonExperts(allow_cpu=tiny)
-    decode = impl.uses_decode_path(T, K, E, w)
-    tiles = (impl.decode_config_for(w, K, T) if decode else impl.tile_config_for(w, K, T)).to_dict()
-    info = dict(impl=repr(impl), **a["facts"], path="decode" if decode else "aligned", tiles=tiles,
-                gluon_ws=bool(TE.WS_GATE_UP and TE.WS_DOWN), gluon_ws_pace=bool(TE.WS_PACE),
-                gather_x=None if decode else TE.gather_x_rule(T * K, a["facts"]["I"]))
+    T, K = a["facts"]["T"], a["facts"]["K"]
+    options = case.options(tiny=tiny, pdl=pdl)
+    impl = TritonExperts(allow_cpu=tiny, options=options)
+    info = dict(impl=repr(impl), **a["facts"], **_options_facts(options))
+    _plan_facts(impl, w, K, T, info, act_dtype=x.dtype, activation=a["spec"]["activation"])
 
     def fn():
         return impl.forward_tokens(x, ids, wts, w, cfg)
@@ -353,7 +309,7 @@ def _setup_experts(case: Case, tiny: bool, dev):
     return fn, info
 
 
-def _setup_gmm(case: Case, tiny: bool, dev):
+def _setup_gmm(case: Case, tiny: bool, dev, pdl: bool = True):
     import torch
 
     from benchmarks.bench_experts import torch_gmm_runner
@@ -367,7 +323,7 @@ def _setup_gmm(case: Case, tiny: bool, dev):
     return runner[0], info
 
 
-def _setup_quant(case: Case, tiny: bool, dev):
+def _setup_quant(case: Case, tiny: bool, dev, pdl: bool = True):
     import torch
 
     from benchmarks.bench_experts_quant import SHAPES, build_weights
@@ -383,32 +339,30 @@ def _setup_quant(case: Case, tiny: bool, dev):
     del plain  # only the quantized bytes stay resident
     ids, wts = routing(T, E, K, "uniform", dev, seed=0)
     x = torch.randn(T, H, generator=torch.Generator().manual_seed(T)).to(dev, act_dtype)
-    if case.fp8_ws:  # this process profiles nothing else (one case a process)
-        import moeflow.experts.triton_quant as TQ
-        import moeflow.experts.triton_ws as TW
-        TQ.FP8_WS_DOWN = TQ.FP8_WS_GATE_UP = True
-        TW.WS_TILE_GRID = case.ws_tile_grid
-        TW.WS_DYNAMIC_TILES = case.ws_dynamic
-    if case.fp8_triton:
-        import moeflow.experts.triton_quant as TQ
-        TQ.FP8_WS_GATE_UP = False
-    impl = TritonQuantExperts(allow_cpu=tiny, fp8=True)
+    options = case.options(tiny=tiny, pdl=pdl)
+    # under --tiny the CPU's tiles are 16-row ones, which keep the pointer kernels: a case pinning a TMA
+    # variant forces 64-row tiles there so the pinned kernel is what runs
+    tiles = _tiny_tma_tiles() if (tiny and case.pin) else None
+    impl = TritonQuantExperts(allow_cpu=tiny, fp8=True, options=options, tile_config=tiles)
     n_distinct = int(torch.unique(ids).numel())
     info = dict(impl=repr(impl), shape=name, fmt=spec["fmt"], T=T, E=E, K=K, H=H, I=I, dtype=str(act_dtype),
                 distinct_experts=n_distinct,
-                bytes=n_distinct * wq.expert_bytes + 2 * T * H * x.element_size(), flops=2 * 3 * H * I * T * K)
-    try:  # the quantized experts' API is young: facts only, never a reason not to profile
-        gemv = bool(impl.uses_gemv(wq, T * K)) if hasattr(impl, "uses_gemv") else False
-        info["path"] = "gemv" if gemv else "mma"
-        if not gemv:
-            info["tiles"] = impl.tile_config_for(wq, K, T).to_dict()
-    except Exception as e:  # a fact we could not get is reported, not fatal
-        info["path_error"] = f"{type(e).__name__}: {e}"[:200]
+                bytes=n_distinct * wq.expert_bytes + 2 * T * H * x.element_size(), flops=2 * 3 * H * I * T * K,
+                **_options_facts(options))
+    _plan_facts(impl, wq, K, T, info, act_dtype=act_dtype, activation=spec["activation"])
 
     def fn():
         return impl.forward_tokens(x, ids, wts, wq, cfg)
 
     return fn, info
+
+
+def _tiny_tma_tiles():
+    """64-row tiles the TMA fp8 GEMMs take at the tiny shapes (one stage: the interpreter)."""
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    t = GemmTile(block_n=128, block_k=128, num_stages=1)
+    return MoETileConfig(block_m=64, gate_up=t, down=t)
 
 
 def _router_inputs(shape: str, T: int, tiny: bool, dev):
@@ -422,12 +376,10 @@ def _router_inputs(shape: str, T: int, tiny: bool, dev):
     return x, w, bias, rbias
 
 
-def _setup_router(case: Case, tiny: bool, dev):
+def _setup_router(case: Case, tiny: bool, dev, pdl: bool = True):
     from benchmarks.bench_routing import shape_spec as router_spec
     from moeflow.routing import gpu
 
-    if tiny:
-        gpu._ALLOW_CPU = True  # the interpreter runs the CUDA kernels on CPU tensors
     spec = router_spec(case.shape)
     T = case.T
     x, w, bias, rbias = _router_inputs(case.shape, T, tiny, dev)
@@ -443,12 +395,12 @@ def _setup_router(case: Case, tiny: bool, dev):
     return fn, info
 
 
-SETUP = {"experts": _setup_experts, "experts_ws": _setup_experts, "gmm": _setup_gmm, "quant": _setup_quant, "router_fused": _setup_router,
+SETUP = {"experts": _setup_experts, "gmm": _setup_gmm, "quant": _setup_quant, "router_fused": _setup_router,
          "router_2k": _setup_router}
 
 
 def run_case(case: Case, *, tiny: bool, warmup: int, reps: int, info_json: str | None, time_reps: int,
-             compile_only: bool = False) -> int:
+             compile_only: bool = False, pdl: bool = True) -> int:
     import torch
 
     t0 = time.time()
@@ -468,7 +420,7 @@ def run_case(case: Case, *, tiny: bool, warmup: int, reps: int, info_json: str |
             print("ncu_kernels: needs CUDA (or --tiny under TRITON_INTERPRET=1)", file=sys.stderr)
             return 2
         dev = torch.device("cuda")
-    fn, info = SETUP[case.kind](case, tiny, dev)
+    fn, info = SETUP[case.kind](case, tiny, dev, pdl)
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.empty_cache()  # builders' temporaries: ncu saves the memory a kernel can reach
@@ -788,6 +740,8 @@ def summarize(outdir: str | Path, *, quiet: bool = False) -> list[dict]:
         for key in ("shape", "fmt", "T", "path", "distinct_experts"):
             if key in info:
                 bits.append(f"{key}={info[key]}")
+        if info.get("variants"):
+            bits.append("variants " + ",".join(f"{k}={v}" for k, v in info["variants"].items()))
         if st:
             bits.append(f"rc={st['rc']} wall={st['wall_s']}s" + (f" ({st['note']})" if st.get("note") else ""))
         bits.append(f"{len(krows)} kernels, sum of ncu durations {total:.1f} us")
@@ -852,6 +806,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--info-json", default=None, help="write the case's facts here (JSON)")
     ap.add_argument("--compile-only", action="store_true",
                     help="set up and run the warm-up forwards only: fills Triton's cache (no timing, no profiling)")
+    ap.add_argument("--no-pdl", action="store_true",
+                    help="the experts with KernelOptions(pdl=False): plain stream order between their launches")
     args = ap.parse_args(argv)
     if args.names:
         print("\n".join(c.name for c in CASES))
@@ -869,7 +825,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"ncu_kernels: unknown case {args.case!r}; --list shows them", file=sys.stderr)
         return 2
     return run_case(case, tiny=args.tiny, warmup=1 if args.compile_only else args.warmup, reps=args.reps,
-                    info_json=args.info_json, time_reps=args.time_reps, compile_only=args.compile_only)
+                    info_json=args.info_json, time_reps=args.time_reps, compile_only=args.compile_only,
+                    pdl=not args.no_pdl)
 
 
 if __name__ == "__main__":

@@ -3,8 +3,8 @@
 Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate, G = 128 (the
 activation / weight block along a reduction axis). Stages, each on the same inputs:
     ref_device  quantize_fp8_activations of x on this device vs on the CPU (bitwise): the
-                reference's own device dependence (PyTorch-CUDA's `tensor / 448.0` multiplied
-                by fl(1/448) before moeflow.quant.formats.div_by_const; ~55% of scales off by 1 ulp)
+                reference's own device dependence (PyTorch-CUDA's `tensor / 448.0` multiplies by
+                fl(1/448): ~55% of scales 1 ulp off without moeflow.quant.formats.div_by_const)
     quant_x     the kernels' activation quantization (fp8_quant_rows_kernel) vs the reference's
                 quantize_fp8_activations: e4m3 codes and f32 scales, bitwise
     h           gate_up's quantized intermediate (aq_PI, as_PG, rows by placed pair) vs the
@@ -15,11 +15,11 @@ activation / weight block along a reduction axis). Stages, each on the same inpu
     out         forward_tokens vs the W8A8 reference (rel-L2, max-abs), as tests/test_experts_triton_quant.py
 
 GPU (the H200 check; < 60 s):
-    python3 benchmarks/diag_fp8_stages.py
+    python3 tools/diag_fp8_stages.py
 CPU, kernels under the Triton interpreter (fp16 only for speed; the interpreter has its own
 f32 -> bf16 truncation, see tests/test_experts_triton_quant.py::_patch_interpreter):
-    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= PYTHONPATH=. python benchmarks/diag_fp8_stages.py --small
-Expected after the fix: ref_device 0 differing, quant_x 0 differing, h codes differing <~1e-3
+    TRITON_INTERPRET=1 CUDA_VISIBLE_DEVICES= PYTHONPATH=. python tools/diag_fp8_stages.py --small
+Expected: ref_device 0 differing, quant_x 0 differing, h codes differing <~1e-3
 (f32 sum order, fp8 MMA accumulation), out rel-L2 ~2-4e-3 (bf16 output rounding).
 """
 
@@ -64,18 +64,18 @@ def fp8_stage_report(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: E
     ref_context: a context manager factory the reference's torch code runs under (the CPU tests pass
     moeflow.testing.cuda_scalar_division to compute it with CUDA's division semantics).
     """
-    from moeflow.experts import triton_quant as tq
     from moeflow.experts.activations import apply_activation
     from moeflow.experts.base import down_one, gate_up_one
-    from moeflow.kernels.moe_align import align_launch
+    from moeflow.experts.fused import StepBuffers, fp8_quant_launch, run_plan
     from moeflow.quant.formats import quantize_fp8_activations
+    from moeflow.tuning.quant_tiles import quant_group
 
     assert w.quant is not None and w.quant.format == "fp8_block", "fp8_block weights only"
     assert not getattr(cfg.router, "weight_on_input", False), "weight_on_input not covered here"
     rep: dict = {}
     T, K = ids.shape
     N, H, I = T * K, w.hidden_size, w.intermediate_size
-    G = tq.quant_group(w.quant)
+    G = quant_group(w.quant)
     dev = x.device
     xf = x.float()
 
@@ -87,29 +87,28 @@ def fp8_stage_report(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: E
     rep["ref_device_codes_differing"] = int((rq.cpu().view(torch.uint8) != cq.view(torch.uint8)).sum())
 
     # quant_x: the kernels' activation quantization vs the reference's
-    kq, ks = tq._launch_fp8_quant(x, G)
+    kq, ks = fp8_quant_launch(x, G)
     rep["quant_x_scales_differing"] = int((ks != rs).sum())
     rep["quant_x_codes_differing"] = int((kq.view(torch.uint8) != rq.view(torch.uint8)).sum())
     rep["quant_x_elements"] = int(rq.numel())
 
-    # the pipeline, stage by stage (as triton_quant._run, keeping the plan's buffers)
+    # the pipeline as forward_tokens runs it (the impl's KernelPlan), keeping the step's buffers
     ids_N = ids.reshape(-1).to(torch.int32).contiguous()
     wts_N = wts.reshape(-1).contiguous()
-    tcfg = impl.tile_config_for(w, K, T)
-    plan = tq._Plan(x, T, K, w, tcfg)
-    align_launch(ids_N, plan.E, tcfg.block_m, plan.sorted_P, plan.block_expert_B)
-    tq._launch_gate_up(plan, x, K, w, cfg)
-    tq._launch_down(plan, w)
-    tq.combine_launch(plan.y_SNH, wts_N, ids_N, plan.out_TH, K, plan.E)
+    plan = impl.plan(w, T, K, act_dtype=x.dtype, activation=cfg.activation)
+    assert plan.path == "aligned", plan.explain()
+    b = StepBuffers(plan, x, ids_N, wts_N, T, K, w, weight_on_input=False, combine_weights=True)
+    run_plan(plan, b, w, cfg)
     if dev.type == "cuda":
         torch.cuda.synchronize()
-    sorted_P = plan.sorted_P.long()
-    used = (plan.block_expert_B >= 0).repeat_interleave(tcfg.block_m)  # past the used blocks: never written
+    rep["variants"] = {st.stage: st.variant for st in plan.stages}
+    sorted_P = b.sorted_P.long()
+    used = (b.block_expert_B >= 0).repeat_interleave(plan.tiles.block_m)  # past the used blocks: never written
     valid = (used & (sorted_P >= 0) & (sorted_P < N)).nonzero().squeeze(1)
     pair = sorted_P[valid]
     aq = torch.empty(N, I, dtype=torch.float8_e4m3fn, device=dev)
-    as_ = torch.empty(N, plan.as_PG.shape[1], dtype=torch.float32, device=dev)
-    aq[pair], as_[pair] = plan.aq_PI[valid], plan.as_PG[valid]
+    as_ = torch.empty(N, b.as_PG.shape[1], dtype=torch.float32, device=dev)
+    aq[pair], as_[pair] = b.aq_PI[valid], b.as_PG[valid]
 
     # h: the reference intermediate from the reference x_hat, quantized the same way
     w32 = w.dequantize(torch.float32)
@@ -129,7 +128,7 @@ def fp8_stage_report(x: torch.Tensor, ids: torch.Tensor, wts: torch.Tensor, w: E
     rep["h_hat_rel_l2"] = _rel_l2(h_k, _dequant_groups(hq, hs, G))
 
     # down: the kernel's y vs the f32 down GEMM of the kernel's own h_hat
-    y_k = plan.y_SNH.float().sum(0)
+    y_k = b.y_SNH.float().sum(0)
     y_from_hk = torch.empty(N, H, dtype=torch.float32, device=dev)
     for e in torch.unique(ids_l).tolist():
         sel = (ids_l == e).nonzero().squeeze(1)
@@ -175,69 +174,10 @@ def _tokens(T, H, E, K, dtype, device, seed):
     return x.to(device, dtype), ids.to(device), wts.to(device)
 
 
-def woi_matrix(device: torch.device, dtype: torch.dtype) -> None:
-    """Bisect the one FP8 GPU miss of 2026-12-03 (llama4-like: weight on input, layout "matmul",
-    E=8 H=256 I=256 K=1, batch-invariant tiles: rel-L2 2.6e-2 while the default tiles gave 1.7e-3):
-    output rel-L2 vs the W8A8 reference for weight_on_input x layout x K, default / batch-invariant
-    impls, and the default impl forced onto the batch-invariant tiles with BM = 64 and BM = 16."""
-    import dataclasses
-
-    sys.path.insert(0, os.path.join(ROOT, "tests"))
-    from test_experts_triton_quant import make_quant_case, make_tokens, reference_quant
-
-    from moeflow.experts.triton_quant import TritonQuantExperts, quant_tile_config
-
-    bi_cfg = quant_tile_config("fp8_block", 128, 8, 256, 256, 1, 1, batch_invariant=True)
-    impls = [("default", TritonQuantExperts()), ("bi", TritonQuantExperts(batch_invariant=True, fp8=True)),
-             ("bi_tiles", TritonQuantExperts(tile_config=bi_cfg)),
-             ("bi_tiles_bm16", TritonQuantExperts(tile_config=dataclasses.replace(bi_cfg, block_m=16))),
-             ("bi_tiles_w4", TritonQuantExperts(tile_config=dataclasses.replace(
-                 bi_cfg, gate_up=dataclasses.replace(bi_cfg.gate_up, num_warps=4),
-                 down=dataclasses.replace(bi_cfg.down, num_warps=4))))]
-    for woi in (True, False):
-        for layout in ("matmul", "linear"):
-            for K in (1, 2):
-                cfg, wq = make_quant_case("fp8", 8, 256, 256, K, "silu", layout, False, False, device=str(device),
-                                          weight_on_input=woi)
-                for T in (1, 7, 64):
-                    x, ids, wts = make_tokens(T, 256, 8, K, dtype, device)
-                    ref, _ = reference_quant(x, ids, wts, wq, cfg)
-                    errs = []
-                    for name, impl in impls:
-                        out = impl.forward_tokens(x, ids, wts, wq, cfg)
-                        errs.append(f"{name} {_rel_l2(out.float(), ref):.2e}")
-                    print(f"woi={woi} {layout} K={K} T={T}: " + " | ".join(errs), flush=True)
-    # Measured 2026-12-03: neither weight_on_input nor the layout matters; the batch-invariant tiles
-    # (BM = 64, fp8 wgmma) give 2.6e-2 at T = 1 (K = 1) / 2.3e-2 (K = 2) where BM = 16 gives 1.7e-3,
-    # and agree at T = 7 and 64. Which stage moves (h codes / scales, or the down GEMM), and whether
-    # single rows of a long batch run through BM >= 64 tiles move too (a bad row hides in a batch's
-    # rel-L2): the per-stage report at T = 1, per-row rel-L2 at T = 1000.
-    cfg, wq = make_quant_case("fp8", 8, 256, 256, 1, "silu", "linear", False, False, device=str(device))
-    x, ids, wts = make_tokens(1, 256, 8, 1, dtype, device)
-    for name, impl in impls[:3]:
-        try:
-            print(f"stages T=1 {name}: {fp8_stage_report(x, ids, wts, wq, cfg, impl)}", flush=True)
-        except Exception as ex:  # a diagnosis: report and go on to the per-row scan
-            print(f"stages T=1 {name}: failed: {ex!r}"[:600], flush=True)
-    for T in (257, 1000):
-        x, ids, wts = make_tokens(T, 256, 8, 1, dtype, device, seed=T)
-        ref, _ = reference_quant(x, ids, wts, wq, cfg)
-        for name, impl in impls[:2]:
-            out = impl.forward_tokens(x, ids, wts, wq, cfg).float()
-            row = (out - ref).norm(dim=1) / ref.norm(dim=1).clamp_min(1e-30)
-            print(f"rows T={T} {name}: tiles {impl.tile_config_for(wq, 1, T)} | rel-L2 {_rel_l2(out, ref):.2e}, "
-                  f"per row max {float(row.max()):.2e} median {float(row.median()):.2e}, rows > 1e-2: "
-                  f"{int((row > 1e-2).sum())}", flush=True)
-
-
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--small", action="store_true", help="CPU / interpreter sizes (fp16, two cases)")
-    ap.add_argument("--woi", action="store_true", help="only the weight-on-input bisection (woi_matrix)")
     args = ap.parse_args(argv)
-    if args.woi:
-        woi_matrix(torch.device("cuda"), torch.bfloat16)
-        return 0
     from moeflow.experts.triton_quant import TritonQuantExperts
 
     cpu = not torch.cuda.is_available()

@@ -1,4 +1,4 @@
-"""Diagnostic (GPU): the aligned expert GEMMs with TMA weight tiles against today's kernels (issue 16).
+"""Diagnostic (GPU): the aligned expert GEMMs with TMA weight tiles against the pointer kernels.
 
 For each shape and T (bf16, linear layout, uniform routing), on the same alignment and inputs:
     base        moe_gemm.moe_gate_up_kernel / moe_down_kernel with the tuned tile configuration
@@ -11,8 +11,8 @@ and a few tile alternatives of the TMA kernels. Every variant's output is compar
 (rel-L2 > 1e-2) is reported and not timed. Times: CUDA-graph replay, L2 flushed, median.
 Roof: bf16 8192^3 torch.mm measured in the same run; frac = FLOP / time / roof.
 
-    python3 benchmarks/diag_tma_gemm.py --shapes mixtral,qwen3,deepseek --tokens 2048,8192
-    TRITON_INTERPRET=1 python3 benchmarks/diag_tma_gemm.py --dry-run      # CPU check (tiny shape)
+    python3 tools/diag_tma_gemm.py --shapes mixtral,qwen3,deepseek --tokens 2048,8192
+    TRITON_INTERPRET=1 python3 tools/diag_tma_gemm.py --dry-run      # CPU check (tiny shape)
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+ACT_SILU = 0  # the GEMM kernels' ACT code of silu (their constexpr contract, as the library's launchers pass it)
 SHAPES = {  # name: (E, H, I, K)
     "mixtral": (8, 4096, 14336, 2),
     "qwen3": (128, 2048, 768, 8),
@@ -65,7 +66,6 @@ def _point(c, shape: str, T: int, gate_up, down, key) -> list[dict]:
     """Rows of one (shape, T): base, then every TMA variant (see the module docstring)."""
     from triton.tools.tensor_descriptor import TensorDescriptor
 
-    from moeflow.experts.triton import _ACT_CODES, max_blocks_for
     from moeflow.kernels.moe_align import align_launch
     from moeflow.kernels.moe_gemm import moe_down_kernel, moe_gate_up_kernel
     from moeflow.kernels.moe_gemm_tma import moe_down_tma_kernel, moe_gate_up_tma_kernel
@@ -80,7 +80,7 @@ def _point(c, shape: str, T: int, gate_up, down, key) -> list[dict]:
     N = T * K
     x = (torch.randn(T, H, device=dev, generator=g)).to(dtype)
     ids = torch.rand(T, E, device=dev, generator=g).topk(K, dim=-1).indices.to(torch.int32).reshape(-1)
-    nb = max_blocks_for(N, E, BM)
+    nb = -(-N // BM) + min(N, E)  # blocks after padding each expert to BM rows: a bound from N and E alone
     P = nb * BM
     sorted_P = torch.empty(P, dtype=torch.int32, device=dev)
     be_B = torch.empty(nb, dtype=torch.int32, device=dev)
@@ -95,7 +95,7 @@ def _point(c, shape: str, T: int, gate_up, down, key) -> list[dict]:
         moe_gate_up_kernel[(nb * math.ceil(I / t.block_n),)](
             x, gate_up, gate_up, act, sorted_P, be_B, N, H, I, K, nb,
             x.stride(0), gate_up.stride(0), gate_up.stride(1), gate_up.stride(2), 0, act.stride(0), 0.0, 1.0,
-            ACT=_ACT_CODES["silu"], INTERLEAVED=False, HAS_BIAS=False, EVEN_K=H % t.block_k == 0,
+            ACT=ACT_SILU, INTERLEAVED=False, HAS_BIAS=False, EVEN_K=H % t.block_k == 0,
             PRECISION=prec, BLOCK_M=BM, BLOCK_N=t.block_n, BLOCK_K=t.block_k, GROUP_M=t.group_m,
             num_warps=t.num_warps, num_stages=t.num_stages)
 
@@ -131,7 +131,7 @@ def _point(c, shape: str, T: int, gate_up, down, key) -> list[dict]:
             def fn(out=out, wd=wd, o=o, tiles=tiles, bn=bn, bk=bk, progs=progs):
                 moe_gate_up_tma_kernel[(progs or tiles,)](
                     x, None, None, wd, out, sorted_P, be_B, N, H, I, K, nb, tiles, x.stride(0), out.stride(0), 0.0, 1.0,
-                    ACT=_ACT_CODES["silu"], PERSISTENT=o["pers"], WS=o["ws"], NUM_PROGS=progs or 1,
+                    ACT=ACT_SILU, PERSISTENT=o["pers"], WS=o["ws"], NUM_PROGS=progs or 1,
                     BLOCK_M=BM, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=o["gm"], num_warps=o["warps"],
                     num_stages=o["stages"])
             ref = act_base

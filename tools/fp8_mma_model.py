@@ -25,9 +25,11 @@ an activation by ~4e-4 relative, and where that activation sits within ~3e-4 of 
 two e4m3 codes its requantization flips by one code. For the largest activations (|h / sh| 288..448,
 e4m3 steps of 32) one flipped code is 7-11% of the value, and at T = 1 (one output row) that is
 2-2.6e-2 rel-L2. Nothing is wrong in the kernels; the reference (exact sums) sits on the other side
-of the tie. `near_ties` lists the activation codes closest to a tie and the error of flipping each.
+of the tie. `near_ties` lists the activation codes closest to a tie and the error of flipping each. With
+`promote` the model puts those cases back near the exact error: what the batch-invariant mode's
+max_num_imprecise_acc (moeflow.tuning.rules: fp8_batch_invariant_imprecise_acc) is set from.
 
-    PYTHONPATH=. python benchmarks/fp8_mma_model.py            # the FP8_BI_MISS table, model vs H200
+    PYTHONPATH=. python tools/fp8_mma_model.py            # the FP8_BI_MISS table, model vs H200
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ flush) reading the step's weight bytes, once as one launch and once as two depen
 gate_up's rows). No kernel that reads those bytes after that flush beats these times; the step's
 time over them says how much of its distance to the roof is the kernel's own.
 
-    PYTHONPATH=. python benchmarks/diag_flush.py --shapes qwen3-30b-a3b,deepseek-v3-fp8 --tokens 1,8
+    PYTHONPATH=. python tools/diag_flush.py --shapes qwen3-30b-a3b,deepseek-v3-fp8 --tokens 1,8
 
 --ncu: no timing; for each point, between cudaProfilerStart / Stop: [write flush, expert step,
 read flush, expert step, write flush, plain read, read flush, plain read] (each step eager, once),
@@ -24,7 +24,7 @@ flush's write-back it pays:
 
     ncu --cache-control none --profile-from-start off --metrics \
         dram__bytes_read.sum,dram__bytes_write.sum,gpu__time_duration.sum \
-        python benchmarks/diag_flush.py --ncu --shapes qwen3-30b-a3b --tokens 1
+        python tools/diag_flush.py --ncu --shapes qwen3-30b-a3b --tokens 1
 """
 
 from __future__ import annotations
@@ -40,8 +40,8 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import env_info, hbm_read_roof_bytes_per_s, time_cuda, time_cuda_graph, write_json  # noqa: E402
-from benchmarks.diag_pdl import _shape  # noqa: E402
 from benchmarks.tune_experts import routing  # noqa: E402
+from tools.diag_pdl import _shape  # noqa: E402
 
 
 def read_time(nbytes: int, flush: str, reps: int) -> float:

@@ -5,9 +5,10 @@ captured in a CUDA graph, the L2 flushed (256 MB write) before each replay, and 
 recorded by the torch profiler (CUPTI kernel records carry GPU start and end times). Per kernel:
 its start after the first kernel's start, its duration, and the gap since the previous kernel
 ended (negative: it overlapped, as programmatic dependent launch allows); medians over --reps
-replays. Printed once in plain stream order (MOEFLOW_PDL off) and once as configured.
+replays. Printed once in plain stream order (KernelOptions(pdl=False)) and once with the defaults
+(programmatic dependent launch on sm_90 or newer).
 
-    PYTHONPATH=. python benchmarks/diag_decode_timeline.py --shapes qwen3-30b-a3b --tokens 1,8
+    PYTHONPATH=. python tools/diag_decode_timeline.py --shapes qwen3-30b-a3b --tokens 1,8
 """
 
 from __future__ import annotations
@@ -24,8 +25,9 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from benchmarks.common import env_info, flush_l2, write_json  # noqa: E402
-from benchmarks.diag_pdl import _shape  # noqa: E402
 from benchmarks.tune_experts import routing  # noqa: E402
+from moeflow.experts.options import KernelOptions  # noqa: E402
+from tools.diag_pdl import _shape, make_impl  # noqa: E402
 
 
 def _replay_kernels(g: torch.cuda.CUDAGraph, reps: int) -> list[list[tuple[str, float, float]]]:
@@ -76,17 +78,15 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
-    import moeflow.kernels.pdl as P
-
     dev = torch.device("cuda")
     out_rows = []
     for name in args.shapes.split(","):
-        spec, cfg, w, impl = _shape(name, dev)
+        spec, cfg, w, _ = _shape(name, dev)
+        modes = {"stream": make_impl(name, KernelOptions(pdl=False)), "pdl": make_impl(name, KernelOptions())}
         for T in [int(t) for t in args.tokens.split(",")]:
             x = torch.randn(T, spec["H"], device=dev, dtype=torch.bfloat16)
             ids, wts = routing(T, spec["E"], spec["K"], "uniform", dev)
-            for mode, pdl in (("stream", False), (f"pdl ({P.GEMM_TRIGGER})", True)):
-                P.ENABLED = pdl
+            for mode, impl in modes.items():
                 s = torch.cuda.Stream()
                 s.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(s):
@@ -102,7 +102,6 @@ def main(argv=None) -> int:
                 for r in rows:
                     print(f"  {r['kernel']:60} {r['start_us']:7.1f} {r['dur_us']:7.1f} {r['gap_us']:6.1f}")
                     out_rows.append(dict(shape=name, T=T, mode=mode, **r))
-            P.ENABLED = True
     if args.json:
         write_json(args.json, out_rows, {"env": env_info(), "argv": sys.argv})
     return 0
