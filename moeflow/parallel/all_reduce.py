@@ -24,6 +24,15 @@ collective (T and two float64 checksums of x per rank, all-gathered) and raises
 EPInputMismatch on every rank when they differ, instead of a silently wrong sum or a
 backend abort on mismatched shapes. `check_inputs=False` (or CUDA-graph capture, where
 nothing may read back) skips the check. Use all_to_all when ranks hold different tokens.
+
+Every step's collectives carry the step header of `dist_utils.EPStep`: C = 5 extra
+float64 slots of that input check's all-gather (read with it), and hr header rows after
+the T partial-sum rows of the all_reduce (per rank SUM_HEADER_LEN small digits in its own
+block, exact in any float sum). A rank that refuses the step runs its remaining collectives
+with a REFUSED / FAILED header; every rank then raises (EPStepAborted, or EPStepMismatch
+when a rank is at another step or layer) and the group is marked broken. With
+`check_inputs=False` the all_reduce's header is the only one: ranks out of step with
+different T then meet in an all_reduce of different sizes, which the backend may abort on.
 """
 
 from __future__ import annotations
@@ -34,7 +43,19 @@ import torch
 import torch.distributed as dist
 
 from ..types import PairBatch, RoutingResult
-from .dist_utils import EPInputMismatch, collective, group_device, group_rank, group_size
+from .dist_utils import (
+    HEADER_LEN,
+    SUM_HEADER_LEN,
+    EPInputMismatch,
+    EPStep,
+    begin_step,
+    collective,
+    current_step,
+    group_device,
+    group_rank,
+    group_size,
+    owes_nothing,
+)
 from .local import combine_TH
 from .plan import EPPlan, Placement, ep_plan
 
@@ -72,6 +93,7 @@ class ARHandle:
         return int(self.x_TH.shape[0])
 
     static: bool = False
+    step: EPStep | None = None  # the EP step the dispatch ran in (combine finishes it)
 
     @property
     def batch(self) -> PairBatch:
@@ -135,6 +157,64 @@ class AllReduceDispatcher:
             raise TypeError(f"check_inputs={check_inputs!r}: expected a bool")
         self.check_inputs = check_inputs
 
+    # ------------------------------------------------------------------ the EP step
+
+    def begin_step(self, layer_idx: int) -> None:
+        """Open this rank's next EP step on the group for layer `layer_idx` (called by the layer
+        before it routes, so that a refusal anywhere in its step can still be announced).
+        Raises EPGroupBroken when the group failed earlier."""
+        begin_step(self.group, layer=layer_idx, owner=self, timeout_s=self.timeout_s)
+
+    def abort_step(self, x_TH: torch.Tensor, spec, exc: BaseException) -> None:
+        """The layer's step raised `exc` on this rank (the caller re-raises it): run what the step
+        still owes the other ranks with a REFUSED / FAILED header, so that they raise
+        EPStepAborted now instead of pairing with this rank's next step.
+
+        x_TH: [T, H] the step's input (T and H size the owed all_reduce); spec: unused here.
+        """
+        step = current_step(self.group)
+        if step is None:
+            return
+        if step.finish is None and not step.started:
+            step.finish = self._owed_unstarted(step, x_TH)
+        step.abort(exc)
+
+    def _open(self, x_TH: torch.Tensor) -> EPStep:
+        """The step this dispatch runs in: the one the layer began, else a new one (layer -1)."""
+        step = current_step(self.group)
+        if step is None or step.owner is not self or step.started or step.finish is not None:
+            step = begin_step(self.group, layer=-1, owner=self, timeout_s=self.timeout_s)
+        step.finish = self._owed_unstarted(step, x_TH)
+        return step
+
+    def _checks_inputs(self) -> bool:
+        return self.check_inputs and not _capturing()
+
+    def _owed_unstarted(self, step: EPStep, x_TH: torch.Tensor):
+        """What a step owes when this rank refuses it before sending anything: the input check's
+        all-gather (every rank reads it and stops), else the all_reduce."""
+
+        def owed(status: int, detail: int) -> bool:
+            if self._checks_inputs():
+                self._gather_check(step, x_TH, status, detail)
+                return True
+            return self._owed_reduce(step, x_TH, status, detail)
+
+        return owed
+
+    def _owed_reduce(self, step: EPStep, x_TH: torch.Tensor, status: int, detail: int) -> bool:
+        T, H = int(x_TH.shape[0]), int(x_TH.shape[-1])
+        hr = self._header_rows(H)
+        wire = torch.zeros(T + hr, H, dtype=self.reduce_dtype, device=x_TH.device)
+        step.write_sum_header(wire[T:].view(-1), self.rank, status, detail)
+        collective("all_reduce(partial expert sums)", dist.all_reduce, wire, group=self.group,
+                   timeout_s=self.timeout_s)
+        return step.read_now(x_TH.device)
+
+    def _header_rows(self, H: int) -> int:
+        """Rows of H that hold the W ranks' digit blocks of the all_reduce's header."""
+        return -(-(self.world_size * SUM_HEADER_LEN) // max(1, H))
+
     # ------------------------------------------------------------------ the Dispatcher protocol
 
     def dispatch(self, x_TH: torch.Tensor, routing: RoutingResult, spec, *, fused: bool = False) -> ARHandle:
@@ -143,14 +223,19 @@ class AllReduceDispatcher:
         Collective: every rank calls it with the same x_TH [T, H].
         Raises EPInputMismatch on every rank when T or the tokens differ across ranks.
         """
-        if torch.is_grad_enabled() and x_TH.requires_grad:
-            raise NotImplementedError(
-                "expert parallelism is inference-only: its collectives carry no autograd; run under "
-                "torch.no_grad() or torch.inference_mode()"
-            )
-        if self.check_inputs and not _capturing():
-            self._check_same_tokens(x_TH)
-        h = self.dispatch_pairs(x_TH, routing.ids_TK, routing.weights_TK)
+        step = self._open(x_TH)
+        try:
+            if torch.is_grad_enabled() and x_TH.requires_grad:
+                raise NotImplementedError(
+                    "expert parallelism is inference-only: its collectives carry no autograd; run under "
+                    "torch.no_grad() or torch.inference_mode()"
+                )
+            if self._checks_inputs():
+                self._check_same_tokens(step, x_TH)
+            h = self._dispatch_pairs(step, x_TH, routing.ids_TK, routing.weights_TK)
+        except BaseException as exc:
+            step.abort(exc)
+            raise
         if spec.weight_on_input:
             from dataclasses import replace
 
@@ -166,20 +251,40 @@ class AllReduceDispatcher:
         zero = int(h.plan.is_zero_TK[: h.num_tokens].sum())
         return {"local": int(h.recv_valid_N.sum()), "sent": 0, "received": 0, "zero": zero}
 
-    def _check_same_tokens(self, x_TH: torch.Tensor) -> None:
-        """All-gather (T, sum x, sum x * position) per rank; EPInputMismatch on every rank if they differ."""
+    def _gather_check(self, step: EPStep, x_TH: torch.Tensor, status: int = 0, detail: int = 0
+                      ) -> list[torch.Tensor]:
+        """All-gather (T, sum x, sum x * position, the step header) per rank: W float64 [3 + C] tensors."""
         dev = group_device(self.group)
         xd = x_TH.detach().to(torch.float64)
         T = int(x_TH.shape[0])
         pos = torch.arange(1, xd.numel() + 1, dtype=torch.float64, device=xd.device).view_as(xd) if xd.numel() \
             else xd
-        mine = torch.stack([torch.tensor(float(T), dtype=torch.float64, device=xd.device), xd.sum(),
-                            (xd * pos).sum()]).to(dev)
+        mine = torch.cat([torch.stack([torch.tensor(float(T), dtype=torch.float64, device=xd.device), xd.sum(),
+                                       (xd * pos).sum()]).to(dev),
+                          step.header_tensor(dev, status, detail).to(torch.float64)])
         got = [torch.empty_like(mine) for _ in range(self.world_size)]
         collective("all_gather(all_reduce input check)", dist.all_gather, got, mine, group=self.group,
                    timeout_s=self.timeout_s)
-        rows = torch.stack(got).cpu().tolist()
+        return got
+
+    def _check_same_tokens(self, step: EPStep, x_TH: torch.Tensor) -> None:
+        """All-gather (T, sum x, sum x * position, header) per rank; raise on every rank alike:
+        EPStepMismatch / EPStepAborted when a rank is out of step or refused it, else
+        EPInputMismatch when the tokens differ (the step ends cleanly; the group stays usable)."""
+        got = self._gather_check(step, x_TH)
+        step.started = True
+        step.finish = None  # until the headers are read, what is owed is unknown
+        # The check's one host read; the group's unread verdict (if any) comes with it.
+        dev = got[0].device
+        host = torch.cat([torch.stack(got).view(-1), step.pending_tensor(dev).to(torch.float64)]).tolist()
+        C = 3 + HEADER_LEN
+        rows = [host[i * C: (i + 1) * C] for i in range(self.world_size)]
+        step.check([[int(v) for v in r[3:]] for r in rows], pending=int(host[-1]))
+        step.finish = lambda status, detail: self._owed_reduce(step, x_TH, status, detail)
+        rows = [r[:3] for r in rows]
         if any(r != rows[0] for r in rows):
+            step.finish = owes_nothing
+            step.close()
             Ts = [int(r[0]) for r in rows]
             what = f"T per rank = {Ts}" if len(set(Ts)) > 1 else "the same T but different tokens (checksums differ)"
             raise EPInputMismatch(
@@ -193,7 +298,16 @@ class AllReduceDispatcher:
     # ------------------------------------------------------------------ pairs in, sums out
 
     def dispatch_pairs(self, x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tensor) -> ARHandle:
-        """Pick this rank's pairs (no communication)."""
+        """Pick this rank's pairs (no communication; opens the EP step `combine_pairs` finishes)."""
+        step = self._open(x_TH)
+        try:
+            return self._dispatch_pairs(step, x_TH, ids_TK, weights_TK)
+        except BaseException as exc:
+            step.abort(exc)
+            raise
+
+    def _dispatch_pairs(self, step: EPStep, x_TH: torch.Tensor, ids_TK: torch.Tensor,
+                        weights_TK: torch.Tensor) -> ARHandle:
         if x_TH.dim() != 2 or ids_TK.dim() != 2 or ids_TK.shape[0] != x_TH.shape[0]:
             raise ValueError(f"x_TH {tuple(x_TH.shape)} / ids_TK {tuple(ids_TK.shape)}: expected [T, H] / [T, K]")
         T, K = ids_TK.shape
@@ -230,16 +344,32 @@ class AllReduceDispatcher:
             rank=self.rank,
             world_size=self.world_size,
             static=self.static,
+            step=step,
         )
 
     def combine_pairs(self, y_NH: torch.Tensor, handle: ARHandle, *, weight_on_input: bool = False) -> torch.Tensor:
         """out_TH [T, H] (x's dtype): the routed output (zero experts included, shared not).
 
         y_NH: [N, H] unweighted outputs for `handle.recv_x_NH`'s rows (same order).
-        One all_reduce of the [T, H] partial sum in `reduce_dtype`.
+        One all_reduce of the [T, H] partial sum in `reduce_dtype`, the step's header rows
+        after it. Raises EPStepAborted / EPStepMismatch (every rank alike) when a rank
+        refused the step or is out of step; where the header cannot be read without a sync
+        (CUDA without `timeout_s`) the output is NaN instead and the verdict is read later.
         """
         if not isinstance(handle, ARHandle):
             raise TypeError(f"handle: expected an ARHandle, got {type(handle).__name__}")
+        step = handle.step
+        if step is None or not step.live:
+            raise ValueError("handle: its step is over (combined already, or refused); dispatch again")
+        try:
+            return self._combine(y_NH, handle, step, weight_on_input)
+        except BaseException as exc:
+            step.abort(exc)
+            raise
+        finally:
+            step.close()
+
+    def _combine(self, y_NH: torch.Tensor, handle: ARHandle, step: EPStep, weight_on_input: bool) -> torch.Tensor:
         x_TH, weights_TK, plan = handle.x_TH, handle.weights_TK, handle.plan
         T, H = int(x_TH.shape[0]), int(x_TH.shape[1])
         K = plan.top_k
@@ -250,18 +380,30 @@ class AllReduceDispatcher:
         y_PH = y_NH.new_zeros((T * K, H))
         # Each pair appears at most once in pair_N; unowned static rows write their masked 0.
         y_PH.index_copy_(0, handle.pair_N, y_masked)
+        # [T + hr, H]: the partial sums, then the header rows (each rank's digits in its block).
+        hr = self._header_rows(H)
+        wire = torch.empty(T + hr, H, dtype=self.reduce_dtype, device=x_TH.device)
         # Slots owned elsewhere hold exactly 0 here; zero experts are added after the reduce.
-        partial_TH = combine_TH(y_PH.view(T, K, H), weights_TK, weight_on_input=weight_on_input,
-                                out_dtype=self.reduce_dtype)
-        collective("all_reduce(partial expert sums)", dist.all_reduce, partial_TH,
+        combine_TH(y_PH.view(T, K, H), weights_TK, weight_on_input=weight_on_input, out_TH=wire[:T])
+        step.write_sum_header(wire[T:].view(-1), self.rank)
+        collective("all_reduce(partial expert sums)", dist.all_reduce, wire,
                    group=self.group, timeout_s=self.timeout_s)
-        out32 = partial_TH.to(torch.float32)
+        step.finish = owes_nothing
+        digits_WC = wire[T:].view(-1)[: self.world_size * SUM_HEADER_LEN].view(self.world_size, SUM_HEADER_LEN)
+        bad = None
+        if step.read_now(x_TH.device):
+            step.check(step.rows_from_sum(digits_WC.float().tolist()))
+        else:
+            bad = step.device_verdict(step.sum_header_expected(x_TH.device, wire.dtype), [digits_WC])
+            step.defer(bad)
+        out32 = wire[:T].to(torch.float32)
         zero_TK = plan.is_zero_TK
         if self.num_zero_experts:
             # w * x for zero-expert slots, added once (every rank has the same x and weights).
             w0_TK = torch.where(zero_TK, weights_TK.to(torch.float32), torch.zeros((), device=x_TH.device))
             out32 = out32 + w0_TK.sum(1, keepdim=True) * x_TH.to(torch.float32)
-        return out32.to(x_TH.dtype)
+        out = out32.to(x_TH.dtype)
+        return out if bad is None else out.masked_fill(bad, float("nan"))
 
 
 def _capturing() -> bool:

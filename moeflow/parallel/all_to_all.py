@@ -30,6 +30,18 @@ source gathers each pair's row from its owner's block.
 
 Zero experts (ids >= E) are never sent: their y rows stay zero here and the caller's
 combine adds w*x. The handles are frozen dataclasses; nothing here knows about experts.
+
+Every step's collectives carry the step header of `dist_utils.EPStep` (C = 5 int64:
+magic, step, layer, status, detail), in exchanges made anyway:
+    dynamic: C extra columns of the counts all_to_all ([W, 2 + C], read with the counts);
+             hr header rows before each destination's rows of the combine all_to_all;
+    static:  C * 8 extra bytes per dispatch row (a column), and per combine row.
+A rank that refuses the step (bad input, too many tokens, an error in its experts) runs
+the step's remaining collectives with a REFUSED / FAILED header (`abort_step`, or the
+dispatcher's own guard); every rank then raises (EPStepAborted; EPStepMismatch when a
+rank is at another step or layer) and the group is marked broken. The dynamic mode stops
+every rank at the counts (their host read exists); the static mode always runs both of its
+collectives, so that no rank leaves one early whatever it can read.
 """
 
 from __future__ import annotations
@@ -40,7 +52,17 @@ import torch
 import torch.distributed as dist
 
 from ..types import PairBatch, RoutingResult
-from .dist_utils import collective, group_rank, group_size
+from .dist_utils import (
+    HEADER_BYTES,
+    HEADER_LEN,
+    EPStep,
+    begin_step,
+    collective,
+    current_step,
+    group_rank,
+    group_size,
+    owes_nothing,
+)
 from .local import combine_TH
 from .plan import EPPlan, Placement, ep_plan
 
@@ -56,6 +78,28 @@ def _as_bytes(t_RC: torch.Tensor) -> torch.Tensor:
     """A contiguous [R, C] tensor as uint8 [R, C * itemsize] (a view)."""
     t_RC = t_RC.contiguous()
     return t_RC.view(torch.uint8).view(int(t_RC.shape[0]), int(t_RC.shape[1]) * t_RC.element_size())
+
+
+def _header_cols(elem_size: int) -> int:
+    """Columns of a row of `elem_size`-byte elements that hold one step header."""
+    return -(-HEADER_BYTES // elem_size)
+
+
+def _header_rows(row_bytes: int) -> int:
+    """Rows of `row_bytes` bytes that hold one step header (the dynamic combine's per-destination rows)."""
+    return -(-HEADER_BYTES // max(1, row_bytes))
+
+
+def _read_header(b_RB: torch.Tensor) -> torch.Tensor:
+    """int64 [R, HEADER_LEN]: the header in the first HEADER_BYTES bytes of each row of uint8 [R, >= HEADER_BYTES]."""
+    return b_RB[:, :HEADER_BYTES].contiguous().view(torch.int64)
+
+
+def _header_block(hdr: torch.Tensor, rows: int, H: int, dtype: torch.dtype) -> torch.Tensor:
+    """[rows, H] of `dtype` whose first HEADER_BYTES bytes are `hdr` (int64 [HEADER_LEN]), the rest 0."""
+    nbytes = rows * H * torch.empty((), dtype=dtype).element_size()
+    pad = torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8, device=hdr.device)
+    return torch.cat([hdr.view(torch.uint8), pad]).view(dtype).view(rows, H)
 
 
 @dataclass(frozen=True, eq=False)
@@ -95,6 +139,9 @@ class A2AHandle:
     weights_TK: torch.Tensor | None = None
     weight_on_input: bool = False
     has_zero_experts: bool = False
+    # The EP step the dispatch ran in (combine finishes it) and the header this rank sends.
+    step: EPStep | None = None
+    header: torch.Tensor | None = None
 
     @property
     def recv_valid_N(self) -> None:
@@ -120,12 +167,14 @@ class A2AHandle:
         return sum(self.send_pair_splits) - self.send_pair_splits[self.rank]
 
     def bytes_moved(self, elem_size: int) -> int:
-        """Bytes this rank sends to other ranks (counts + packed dispatch rows + combine rows)."""
+        """Bytes this rank sends to other ranks (counts and headers + packed dispatch rows + combine rows)."""
         me = self.rank
         tok = sum(self.send_token_splits) - self.send_token_splits[me]
         back = sum(self.recv_pair_splits) - self.recv_pair_splits[me]
         W = len(self.send_pair_splits)
-        return (W - 1) * 2 * 8 + tok * self.row_bytes + back * self.hidden_size * elem_size
+        hr = _header_rows(self.hidden_size * elem_size)
+        return (W - 1) * ((2 + HEADER_LEN) * 8 + hr * self.hidden_size * elem_size) + tok * self.row_bytes \
+            + back * self.hidden_size * elem_size
 
 
 @dataclass(frozen=True, eq=False)
@@ -160,6 +209,11 @@ class A2AStaticHandle:
     weights_TK: torch.Tensor | None = None
     weight_on_input: bool = False
     has_zero_experts: bool = False
+    # The EP step, the header this rank sent and the W headers the dispatch received
+    # (uint8 [W, HEADER_BYTES] views; combine checks them with its own when they were not read).
+    step: EPStep | None = None
+    header: torch.Tensor | None = None
+    recv_header_WB: torch.Tensor | None = None
 
     @property
     def batch(self) -> PairBatch:
@@ -168,9 +222,10 @@ class A2AStaticHandle:
                          num_tokens=_tokens_of(self.recv_x_NH, self.plan.top_k))
 
     def bytes_moved(self, elem_size: int) -> int:
-        """Bytes this rank sends to other ranks (fixed: the worst case)."""
-        W, K = self.world_size, self.plan.top_k
-        per_peer = self.static_tokens * (self.hidden_size * elem_size + K * 8 + K * self.hidden_size * elem_size)
+        """Bytes this rank sends to other ranks (fixed: the worst case; headers included)."""
+        W, K, H = self.world_size, self.plan.top_k, self.hidden_size
+        per_peer = self.static_tokens * (H * elem_size + K * 8 + HEADER_BYTES
+                                         + K * (H + _header_cols(elem_size)) * elem_size)
         return (W - 1) * per_peer
 
 
@@ -184,6 +239,10 @@ class AllToAllDispatcher:
                    the process group's own timeout).
     static_tokens: None for the dynamic mode; Tm for the static decode mode (every rank
                    must pass at most Tm tokens per step, and the same Tm).
+
+    One dispatch ... combine is one EP step (see the module docstring). `MoELayer` opens it
+    with `begin_step(layer_idx)` before routing and calls `abort_step` when its step raises;
+    a direct caller of `dispatch_pairs` gets a step opened for it (layer -1).
     """
 
     def __init__(
@@ -225,6 +284,65 @@ class AllToAllDispatcher:
                 f"(the decode mode's fixed buffer)"
             )
 
+    def _a2a(self, name: str, out: torch.Tensor, inp: torch.Tensor, out_splits=None, in_splits=None) -> None:
+        if out_splits is None:
+            collective(name, dist.all_to_all_single, out, inp, group=self.group, timeout_s=self.timeout_s)
+        else:
+            collective(name, dist.all_to_all_single, out, inp, list(out_splits), list(in_splits),
+                       group=self.group, timeout_s=self.timeout_s)
+
+    # ------------------------------------------------------------------ the EP step
+
+    def begin_step(self, layer_idx: int) -> None:
+        """Open this rank's next EP step on the group for layer `layer_idx` (called by the layer
+        before it routes, so that a refusal anywhere in its step can still be announced).
+        Raises EPGroupBroken when the group failed earlier."""
+        begin_step(self.group, layer=layer_idx, owner=self, timeout_s=self.timeout_s)
+
+    def abort_step(self, x_TH: torch.Tensor, spec, exc: BaseException) -> None:
+        """The layer's step raised `exc` on this rank (the caller re-raises it): run what the step
+        still owes the other ranks with a REFUSED / FAILED header, so that they raise
+        EPStepAborted now instead of pairing with this rank's next step.
+
+        x_TH: [T, H] the step's input (dtype and H size the owed messages); spec: RouterSpec (K).
+        Nothing to do when the step is already over (combined, or refused by every rank alike).
+        """
+        step = current_step(self.group)
+        if step is None:
+            return
+        if step.finish is None and not step.started:
+            step.finish = self._owed_unstarted(step, x_TH, int(spec.top_k))
+        step.abort(exc)
+
+    def _open(self, x_TH: torch.Tensor, K: int) -> EPStep:
+        """The step this dispatch runs in: the one the layer began, else a new one (layer -1)."""
+        step = current_step(self.group)
+        if step is None or step.owner is not self or step.started or step.finish is not None:
+            step = begin_step(self.group, layer=-1, owner=self, timeout_s=self.timeout_s)
+        step.finish = self._owed_unstarted(step, x_TH, K)
+        return step
+
+    def _owed_unstarted(self, step: EPStep, x_TH: torch.Tensor, K: int):
+        """What a step owes when this rank refuses it before sending anything: the dynamic mode's
+        counts exchange (every rank reads it and stops), or both static exchanges."""
+        H = int(x_TH.shape[-1]) if isinstance(x_TH, torch.Tensor) and x_TH.dim() >= 1 else 0
+        dtype = x_TH.dtype if isinstance(x_TH, torch.Tensor) else torch.float32
+        device = x_TH.device if isinstance(x_TH, torch.Tensor) else torch.device("cpu")
+        W = self.world_size
+
+        def dynamic(status: int, detail: int) -> bool:
+            send = torch.cat([torch.zeros(W, 2, dtype=torch.int64, device=device),
+                              step.header_tensor(device, status, detail).expand(W, HEADER_LEN)], 1)
+            self._a2a("all_to_all_single(counts)", torch.empty_like(send), send)
+            return True
+
+        def static(status: int, detail: int) -> bool:
+            hdr = step.header_tensor(device, status, detail)
+            self._owed_static_dispatch(hdr, H, dtype, K, device)
+            return self._owed_static_combine(step, hdr, H, dtype, K, device)
+
+        return dynamic if self.static_tokens is None else static
+
     # ------------------------------------------------------------------ the Dispatcher protocol
 
     name = "all_to_all"
@@ -237,12 +355,17 @@ class AllToAllDispatcher:
         Collective (every rank of the group calls it; T may differ, even 0). Refuses
         tensors that require grad: the collectives carry no autograd.
         """
-        if torch.is_grad_enabled() and x_TH.requires_grad:
-            raise NotImplementedError(
-                "expert parallelism is inference-only: its collectives carry no autograd; run under "
-                "torch.no_grad() or torch.inference_mode()"
-            )
-        h = self.dispatch_pairs(x_TH, routing.ids_TK, routing.weights_TK)
+        step = self._open(x_TH, int(spec.top_k))
+        try:
+            if torch.is_grad_enabled() and x_TH.requires_grad:
+                raise NotImplementedError(
+                    "expert parallelism is inference-only: its collectives carry no autograd; run under "
+                    "torch.no_grad() or torch.inference_mode()"
+                )
+            h = self._dispatch(step, x_TH, routing.ids_TK, routing.weights_TK)
+        except BaseException as exc:
+            step.abort(exc)
+            raise
         return replace(h, x_TH=x_TH, weights_TK=routing.weights_TK, weight_on_input=spec.weight_on_input,
                        has_zero_experts=spec.num_zero_experts > 0)
 
@@ -285,28 +408,49 @@ class AllToAllDispatcher:
         x_TH:       [T, H] this rank's tokens (any floating dtype the backend carries).
         ids_TK:     int32/int64 [T, K] routing ids (>= E: zero expert, not sent).
         weights_TK: float [T, K] routing weights (travel as float32 with the pair).
-        Dynamic mode: one host read (the exchanged counts). Static mode: none.
+        Dynamic mode: one host read (the exchanged counts and headers). Static mode: none
+        (CPU tensors, or a set `timeout_s`: the headers are read too, at no extra sync).
         """
+        step = self._open(x_TH, int(ids_TK.shape[-1]) if ids_TK.dim() else 1)
+        try:
+            return self._dispatch(step, x_TH, ids_TK, weights_TK)
+        except BaseException as exc:
+            step.abort(exc)
+            raise
+
+    def _dispatch(self, step: EPStep, x_TH, ids_TK, weights_TK) -> A2AHandle | A2AStaticHandle:
         self._check_inputs(x_TH, ids_TK, weights_TK)
         if self.static_tokens is None:
-            return self._dispatch_dynamic(x_TH, ids_TK, weights_TK)
-        return self._dispatch_static(x_TH, ids_TK, weights_TK)
+            return self._dispatch_dynamic(step, x_TH, ids_TK, weights_TK)
+        return self._dispatch_static(step, x_TH, ids_TK, weights_TK)
 
     def combine_pairs(self, y_NH: torch.Tensor, handle: A2AHandle | A2AStaticHandle) -> torch.Tensor:
         """Bring the experts' rows home: y_TKH [T, K, H] on the source rank (y's dtype).
 
         y_NH: [N_recv, H] outputs for `handle.recv_x_NH`'s rows, same order (unweighted).
         Rows of zero-expert pairs are 0 (the caller's combine adds w*x for them).
+        Raises EPStepAborted / EPStepMismatch (every rank alike) when a rank refused the step
+        or is out of step; where the headers cannot be read without a sync (CUDA without
+        `timeout_s`) the rows are NaN instead and the verdict is read later.
         """
-        if isinstance(handle, A2AHandle):
-            return self._combine_dynamic(y_NH, handle)
-        if isinstance(handle, A2AStaticHandle):
+        if not isinstance(handle, (A2AHandle, A2AStaticHandle)):
+            raise TypeError(f"handle: expected an A2AHandle or A2AStaticHandle, got {type(handle).__name__}")
+        step = handle.step
+        if step is None or not step.live:
+            raise ValueError("handle: its step is over (combined already, or refused); dispatch again")
+        try:
+            if isinstance(handle, A2AHandle):
+                return self._combine_dynamic(y_NH, handle)
             return self._combine_static(y_NH, handle)
-        raise TypeError(f"handle: expected an A2AHandle or A2AStaticHandle, got {type(handle).__name__}")
+        except BaseException as exc:
+            step.abort(exc)
+            raise
+        finally:
+            step.close()
 
     # ------------------------------------------------------------------ dynamic
 
-    def _dispatch_dynamic(self, x_TH, ids_TK, weights_TK) -> A2AHandle:
+    def _dispatch_dynamic(self, step: EPStep, x_TH, ids_TK, weights_TK) -> A2AHandle:
         W, me = self.world_size, self.rank
         T, K = ids_TK.shape
         H = x_TH.shape[1]
@@ -318,16 +462,40 @@ class AllToAllDispatcher:
         visit_TW.scatter_(1, torch.where(dest_TK < 0, W, dest_TK), True)
         visit_TW = visit_TW[:, :W]
         tok_counts_W = visit_TW.sum(0, dtype=torch.int64)
-        counts_W2 = torch.stack([tok_counts_W, plan.send_counts_R], dim=1)
-        recv_counts_W2 = torch.empty_like(counts_W2)
-        collective("all_to_all_single(counts)", dist.all_to_all_single, recv_counts_W2, counts_W2,
-                   group=self.group, timeout_s=self.timeout_s)
-        # The one host read of the dynamic mode: variable splits need Python ints.
-        host = torch.cat([counts_W2, recv_counts_W2], 0).tolist()
-        send_tok = tuple(int(r[0]) for r in host[:W])
-        send_pair = tuple(int(r[1]) for r in host[:W])
-        recv_tok = tuple(int(r[0]) for r in host[W:])
-        recv_pair = tuple(int(r[1]) for r in host[W:])
+        hdr = step.header_tensor(device)
+        # [W, 2 + C]: token rows and pairs for each destination, and this step's header.
+        counts_WC = torch.cat([tok_counts_W.unsqueeze(1), plan.send_counts_R.unsqueeze(1),
+                               hdr.expand(W, HEADER_LEN)], 1)
+        recv_counts_WC = torch.empty_like(counts_WC)
+        self._a2a("all_to_all_single(counts)", recv_counts_WC, counts_WC)
+        step.started = True
+        step.finish = None  # until the counts are read, what is owed is unknown
+        # The one host read of the dynamic mode: variable splits need Python ints. The headers
+        # (and the group's unread verdict, if any) come with it.
+        host = torch.cat([counts_WC[:, :2].reshape(-1), recv_counts_WC.reshape(-1),
+                          step.pending_tensor(device)]).tolist()
+        C = 2 + HEADER_LEN
+        recv_rows = [host[2 * W + C * r: 2 * W + C * (r + 1)] for r in range(W)]
+        step.check([row[2:] for row in recv_rows], pending=int(host[-1]))
+        send_tok = tuple(int(host[2 * r]) for r in range(W))
+        send_pair = tuple(int(host[2 * r + 1]) for r in range(W))
+        recv_tok = tuple(int(row[0]) for row in recv_rows)
+        recv_pair = tuple(int(row[1]) for row in recv_rows)
+        row_bytes = H * x_TH.element_size() + 4 * (1 + 2 * K)
+
+        def owed_dispatch(status: int, detail: int) -> bool:
+            # This rank's rows do not count (the step fails), only their sizes.
+            send = torch.zeros(sum(send_tok), row_bytes, dtype=torch.uint8, device=device)
+            self._a2a("all_to_all_single(dispatch)", send.new_empty((sum(recv_tok), row_bytes)), send,
+                      recv_tok, send_tok)
+            return owed_combine(status, detail)
+
+        def owed_combine(status: int, detail: int) -> bool:
+            y = x_TH.new_zeros((sum(recv_pair), H))
+            self._combine_exchange(y, step.header_tensor(device, status, detail), send_pair, recv_pair)
+            return step.read_now(device)
+
+        step.finish = owed_dispatch
 
         # One packed row per (token, destination), grouped by destination, tokens ascending
         # ([W, T] nonzero is row-major): [x_t bytes | t | K local expert ids (-1: slot not
@@ -340,10 +508,9 @@ class AllToAllDispatcher:
         w_UK = weights_TK[t_U].to(torch.float32).contiguous().view(torch.int32)
         meta_UM = torch.cat([t_U.to(torch.int32).unsqueeze(1), loc_UK, w_UK], dim=1)
         send_UB = torch.cat([x_bytes_UB, _as_bytes(meta_UM)], dim=1)
-        row_bytes = int(send_UB.shape[1])
         recv_UB = send_UB.new_empty((sum(recv_tok), row_bytes))
-        collective("all_to_all_single(dispatch)", dist.all_to_all_single, recv_UB, send_UB,
-                   list(recv_tok), list(send_tok), group=self.group, timeout_s=self.timeout_s)
+        self._a2a("all_to_all_single(dispatch)", recv_UB, send_UB, recv_tok, send_tok)
+        step.finish = owed_combine
 
         xb = H * x_TH.element_size()
         x_recv_UH = recv_UB[:, :xb].contiguous().view(x_TH.dtype)
@@ -376,25 +543,77 @@ class AllToAllDispatcher:
             num_tokens=int(T),
             hidden_size=int(H),
             row_bytes=row_bytes,
+            step=step,
+            header=hdr,
         )
+
+    def _combine_exchange(self, y_NH: torch.Tensor, hdr: torch.Tensor, send_pair, recv_pair
+                          ) -> tuple[torch.Tensor, int]:
+        """The dynamic combine all_to_all: hr header rows before each destination's rows.
+
+        y_NH: [sum(recv_pair), H] rows computed here, in (source rank, token, slot) order.
+        hdr:  int64 [HEADER_LEN] this rank's header. Returns (what came back: per source p,
+        hr header rows then its send_pair[p] rows; hr).
+        """
+        W, H = self.world_size, int(y_NH.shape[1])
+        hr = _header_rows(H * y_NH.element_size())
+        block = _header_block(hdr, hr, H, y_NH.dtype)
+        pieces, off = [], 0
+        for n in recv_pair:
+            pieces += [block, y_NH[off: off + n]]
+            off += n
+        back = y_NH.new_empty((sum(send_pair) + W * hr, H))
+        self._a2a("all_to_all_single(combine)", back, torch.cat(pieces), [n + hr for n in send_pair],
+                  [n + hr for n in recv_pair])
+        return back, hr
 
     def _combine_dynamic(self, y_NH: torch.Tensor, h: A2AHandle) -> torch.Tensor:
         n_recv = sum(h.recv_pair_splits)
         if y_NH.dim() != 2 or y_NH.shape[0] != n_recv or y_NH.shape[1] != h.hidden_size:
             raise ValueError(f"y_NH: shape {tuple(y_NH.shape)}, expected [{n_recv}, {h.hidden_size}] (handle's rows)")
-        n_send = sum(h.send_pair_splits)
-        y_back_NH = y_NH.new_empty((n_send, h.hidden_size))
-        collective("all_to_all_single(combine)", dist.all_to_all_single, y_back_NH, y_NH.contiguous(),
-                   list(h.send_pair_splits), list(h.recv_pair_splits),
-                   group=self.group, timeout_s=self.timeout_s)
-        T, K = h.num_tokens, h.plan.top_k
-        y_PH = y_NH.new_zeros((T * K, h.hidden_size))
-        y_PH.index_copy_(0, h.plan.send_order_P[:n_send], y_back_NH)
-        return y_PH.view(T, K, h.hidden_size)
+        step, W = h.step, self.world_size
+        back, hr = self._combine_exchange(y_NH.contiguous(), h.header, h.send_pair_splits, h.recv_pair_splits)
+        step.finish = owes_nothing
+        T, K, H = h.num_tokens, h.plan.top_k, h.hidden_size
+        # One scatter, as without headers: each pair's row to its (token, slot), the header
+        # rows past the T*K pair rows.
+        hdr_at = torch.arange(T * K, T * K + W * hr, device=y_NH.device)
+        idx, off = [], 0
+        for p, n in enumerate(h.send_pair_splits):
+            idx += [hdr_at[p * hr: (p + 1) * hr], h.plan.send_order_P[off: off + n]]
+            off += n
+        y_ext = y_NH.new_zeros((T * K + W * hr, H))
+        y_ext.index_copy_(0, torch.cat(idx), back)
+        got_WB = y_ext[T * K:].reshape(W, -1).view(torch.uint8)[:, :HEADER_BYTES]
+        y_PH = y_ext[: T * K]
+        if step.read_now(y_NH.device):
+            step.check(_read_header(got_WB).tolist())
+        else:
+            bad = step.device_verdict(h.header.view(torch.uint8), [got_WB])
+            step.defer(bad)
+            y_PH = y_PH.masked_fill(bad, float("nan"))
+        return y_PH.view(T, K, H)
 
     # ------------------------------------------------------------------ static (decode)
 
-    def _dispatch_static(self, x_TH, ids_TK, weights_TK) -> A2AStaticHandle:
+    def _owed_static_dispatch(self, hdr: torch.Tensor, H: int, dtype: torch.dtype, K: int,
+                              device: torch.device) -> None:
+        W, Tm = self.world_size, self.static_tokens
+        B = H * torch.empty((), dtype=dtype).element_size() + 8 * K + HEADER_BYTES
+        send = torch.zeros(W, Tm, B, dtype=torch.uint8, device=device)
+        send[:, :, B - HEADER_BYTES:] = hdr.view(torch.uint8)
+        self._a2a("all_to_all_single(static dispatch)", torch.empty_like(send), send)
+
+    def _owed_static_combine(self, step: EPStep, hdr: torch.Tensor, H: int, dtype: torch.dtype, K: int,
+                             device: torch.device) -> bool:
+        W, Tm = self.world_size, self.static_tokens
+        c = _header_cols(torch.empty((), dtype=dtype).element_size())
+        send = torch.zeros(W, Tm, K, H + c, dtype=dtype, device=device)
+        send[:, 0, 0, H:].view(torch.uint8)[:, :HEADER_BYTES] = hdr.view(torch.uint8)
+        self._a2a("all_to_all_single(static combine)", torch.empty_like(send), send)
+        return step.read_now(device)
+
+    def _dispatch_static(self, step: EPStep, x_TH, ids_TK, weights_TK) -> A2AStaticHandle:
         W, me, Tm = self.world_size, self.rank, self.static_tokens
         T, K = ids_TK.shape
         H = x_TH.shape[1]
@@ -410,16 +629,27 @@ class AllToAllDispatcher:
             w_pad = torch.cat([w_pad, torch.zeros(pad, K, dtype=torch.float32, device=device)])
             x_pad = torch.cat([x_TH, x_TH.new_zeros((pad, H))])
         plan = ep_plan(ids_pad, w_pad, self.placement, validate=False)
-        # One packed row per token: [x bytes | K (id, weight bits) int32 pairs], to every rank.
+        hdr = step.header_tensor(device)
+        # One packed row per token: [x bytes | K (id, weight bits) int32 pairs | step header], to
+        # every rank. The header rides in every row (C * 8 bytes each, no extra copy); the
+        # receiver reads the first row's.
         picks_TK2 = torch.stack([ids_pad.to(torch.int32), w_pad.view(torch.int32)], dim=2)
-        row_TB = torch.cat([_as_bytes(x_pad.contiguous()), _as_bytes(picks_TK2.reshape(Tm, 2 * K))], dim=1)
+        row_TB = torch.cat([_as_bytes(x_pad.contiguous()), _as_bytes(picks_TK2.reshape(Tm, 2 * K)),
+                            hdr.view(torch.uint8).expand(Tm, HEADER_BYTES)], dim=1)
         B = int(row_TB.shape[1])
         recv_WTB = row_TB.new_empty((W, Tm, B))
-        collective("all_to_all_single(static dispatch)", dist.all_to_all_single, recv_WTB,
-                   row_TB.unsqueeze(0).expand(W, Tm, B).contiguous(), group=self.group, timeout_s=self.timeout_s)
+        self._a2a("all_to_all_single(static dispatch)", recv_WTB, row_TB.unsqueeze(0).expand(W, Tm, B).contiguous())
+        step.started = True
+        step.finish = lambda status, detail: self._owed_static_combine(
+            step, step.header_tensor(device, status, detail), H, x_TH.dtype, K, device)
+        recv_hdr_WB = recv_WTB[:, 0, B - HEADER_BYTES:]  # each source's header bytes (a view)
+        if step.read_now(device):
+            # Out of step: stop now, every rank alike. A refusal is remembered and raised after
+            # the combine: the refusing rank runs the combine too (it may not read this).
+            step.check(_read_header(recv_hdr_WB).tolist(), final=False)
         xb = H * x_TH.element_size()
         x_recv_WTH = recv_WTB[..., :xb].contiguous().view(x_TH.dtype)
-        picks_recv = recv_WTB[..., xb:].contiguous().view(torch.int32).view(W, Tm, K, 2)
+        picks_recv = recv_WTB[..., xb: xb + 8 * K].contiguous().view(torch.int32).view(W, Tm, K, 2)
         N = W * Tm * K
         rank_of_E, local_index_E = self.placement.tensors(device)
         ids_N = picks_recv[..., 0].reshape(N).to(torch.int64)
@@ -455,6 +685,9 @@ class AllToAllDispatcher:
             num_tokens=int(T),
             static_tokens=int(Tm),
             hidden_size=int(H),
+            step=step,
+            header=hdr,
+            recv_header_WB=recv_hdr_WB,
         )
 
     def _combine_static(self, y_NH: torch.Tensor, h: A2AStaticHandle) -> torch.Tensor:
@@ -462,14 +695,28 @@ class AllToAllDispatcher:
         N = W * Tm * K
         if y_NH.dim() != 2 or tuple(y_NH.shape) != (N, H):
             raise ValueError(f"y_NH: shape {tuple(y_NH.shape)}, expected [{N}, {H}] (the static handle's rows)")
+        step = h.step
         y_sorted = torch.where(h.recv_valid_N.unsqueeze(1), y_NH, torch.zeros((), dtype=y_NH.dtype, device=y_NH.device))
-        y_flat = torch.empty_like(y_sorted)
-        y_flat.index_copy_(0, h.order_N, y_sorted)
-        y_back = torch.empty_like(y_flat).view(W, Tm, K, H)
-        collective("all_to_all_single(static combine)", dist.all_to_all_single, y_back,
-                   y_flat.view(W, Tm, K, H), group=self.group, timeout_s=self.timeout_s)
+        # Rows of H + c: the header rides in the c spare columns of each destination's first row
+        # (the other rows' spare columns are never read).
+        c = _header_cols(y_NH.element_size())
+        y_wire = y_NH.new_empty((N, H + c))
+        y_wire[:, :H].index_copy_(0, h.order_N, y_sorted)
+        y_wire.view(W, Tm * K, H + c)[:, 0, H:].view(torch.uint8)[:, :HEADER_BYTES] = h.header.view(torch.uint8)
+        y_back = torch.empty_like(y_wire).view(W, Tm, K, H + c)
+        self._a2a("all_to_all_single(static combine)", y_back, y_wire.view(W, Tm, K, H + c))
+        step.finish = owes_nothing
+        got_WB = y_back[:, 0, 0, H:].view(torch.uint8)[:, :HEADER_BYTES]
         dest_TK = h.plan.dest_rank_TK  # [Tm, K], -1 for zero experts and padding
         idx = dest_TK.clamp(min=0).view(1, Tm, K, 1).expand(1, Tm, K, H)
-        y_TKH = y_back.gather(0, idx).squeeze(0)
-        y_TKH = torch.where((dest_TK >= 0).unsqueeze(2), y_TKH, torch.zeros((), dtype=y_TKH.dtype, device=y_TKH.device))
+        y_TKH = y_back[..., :H].gather(0, idx).squeeze(0)
+        y_TKH = torch.where((dest_TK >= 0).unsqueeze(2), y_TKH,
+                            torch.zeros((), dtype=y_TKH.dtype, device=y_TKH.device))
+        if step.read_now(y_NH.device):
+            step.check(_read_header(got_WB).tolist())
+        else:
+            bad = step.device_verdict(h.header.view(torch.uint8), [h.recv_header_WB, got_WB])
+            step.defer(bad)
+            # A failed verdict makes every slot NaN (a zero-expert slot's y is never read).
+            y_TKH = y_TKH.masked_fill(bad, float("nan"))
         return y_TKH[: h.num_tokens]

@@ -145,6 +145,7 @@ def combine_TH(
     zero_TK: torch.Tensor | None = None,
     weight_on_input: bool = False,
     out_dtype: torch.dtype | None = None,
+    out_TH: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out[t] = sum over k = 0..K-1, in that order, of weights[t, k] * y[t, k], accumulated in f32.
 
@@ -158,6 +159,9 @@ def combine_TH(
         weight_on_input: llama4: the weight already scaled the expert input, so routed
             slots combine with weight 1 (zero-expert slots still take w * x).
         out_dtype: result dtype; default y's dtype.
+        out_TH: [T, H] tensor the result is written into (rows of a larger buffer a
+            collective sends, say); its dtype is the result's. A float32 one is the
+            accumulator itself (no copy). Same sums, same bits.
 
     Returns:
         out_TH [T, H] in out_dtype. The shared expert is not included (added once, after).
@@ -176,6 +180,13 @@ def combine_TH(
             raise ValueError("x_TH: None, but zero_TK is given (zero experts contribute w * x)")
         if x_TH.shape != (T, H):
             raise ValueError(f"x_TH: shape {tuple(x_TH.shape)}, expected ({T}, {H})")
+    if out_TH is not None:
+        if tuple(out_TH.shape) != (T, H):
+            raise ValueError(f"out_TH: shape {tuple(out_TH.shape)}, expected ({T}, {H})")
+        if out_dtype is not None and out_dtype != out_TH.dtype:
+            raise ValueError(f"out_dtype={out_dtype} but out_TH has dtype {out_TH.dtype}")
+        return _combine_into(y_TKH, weights_TK, out_TH, x_TH=x_TH, zero_TK=zero_TK,
+                             weight_on_input=weight_on_input)
     out_dtype = out_dtype or y_TKH.dtype
     acc_TH = torch.zeros(T, H, dtype=torch.float32, device=y_TKH.device)
     w_TK = weights_TK.to(torch.float32)
@@ -194,6 +205,30 @@ def combine_TH(
         else:
             acc_TH = acc_TH + w_T1 * y_TH
     return acc_TH.to(out_dtype)
+
+
+def _combine_into(y_TKH, weights_TK, out_TH, *, x_TH, zero_TK, weight_on_input) -> torch.Tensor:
+    """`combine_TH` accumulating in place (the same f32 adds in the same order as its loop)."""
+    T, K, H = (int(s) for s in y_TKH.shape)
+    acc_TH = out_TH.zero_() if out_TH.dtype == torch.float32 else \
+        torch.zeros(T, H, dtype=torch.float32, device=y_TKH.device)
+    w_TK = weights_TK.to(torch.float32)
+    for k in range(K):
+        y_TH = y_TKH[:, k].to(torch.float32)
+        w_T1 = w_TK[:, k : k + 1]
+        if zero_TK is not None:
+            z_T1 = zero_TK[:, k : k + 1]
+            y_TH = torch.where(z_T1, x_TH.to(torch.float32), y_TH)
+            if weight_on_input:
+                w_T1 = torch.where(z_T1, w_T1, torch.ones_like(w_T1))
+            acc_TH.add_(w_T1 * y_TH)
+        elif weight_on_input:
+            acc_TH.add_(y_TH)
+        else:
+            acc_TH.add_(w_T1 * y_TH)
+    if acc_TH is not out_TH:
+        out_TH.copy_(acc_TH)
+    return out_TH
 
 
 # ----------------------------------------------------------------------------- the dispatcher
