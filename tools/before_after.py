@@ -145,9 +145,10 @@ def main(argv=None) -> int:
         del tensors, wn, wo
         torch.cuda.empty_cache()
     if not args.no_quant:
+        from moeflow_before.quant import spec as old_spec
+
         from moeflow.quant.experts import quantize_experts
         from moeflow.quant.spec import MXFP4, NVFP4, fp8_block_spec
-        from moeflow_before.quant import spec as old_spec
 
         new_q, old_q = TritonQuantExperts(), OQ.TritonQuantExperts()
         for name, fmt, tokens in QUANT_POINTS:
