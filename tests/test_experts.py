@@ -384,20 +384,20 @@ class _FakeTriton:
 
 def test_triton_hook(monkeypatch):
     cfg = make_config()
-    monkeypatch.setattr(select_mod, "_triton_impl", lambda: None)
+    monkeypatch.setattr(select_mod, "_triton_impl", lambda options=None: None)
     with pytest.raises(ValueError, match="'triton': unavailable"):
         select_experts_impl(cfg, "cpu", 4, "triton")
     assert select_experts_impl(cfg, "cuda", 64).name == "grouped"  # no triton: grouped on CUDA too
 
     fake = _FakeTriton(ok=True)
-    monkeypatch.setattr(select_mod, "_triton_impl", lambda: fake)
+    monkeypatch.setattr(select_mod, "_triton_impl", lambda options=None: fake)
     assert select_experts_impl(cfg, "cuda", 64) is fake  # auto on CUDA
     assert select_experts_impl(cfg, "cpu", 64).name == "grouped"  # never auto on CPU
     with pytest.raises(ValueError, match="refuses device cpu"):
         select_experts_impl(cfg, "cpu", 4, "triton")
 
     refusing = _FakeTriton(ok=False)
-    monkeypatch.setattr(select_mod, "_triton_impl", lambda: refusing)
+    monkeypatch.setattr(select_mod, "_triton_impl", lambda options=None: refusing)
     assert select_experts_impl(cfg, "cuda", 64).name == "grouped"  # auto skips a refusal
     with pytest.raises(ValueError, match="refuses this config: interleaved gate/up not implemented"):
         select_experts_impl(cfg, "cuda", 4, "triton")
