@@ -10,7 +10,7 @@ kernel may start once every program of the previous kernel has executed
 `griddepcontrol.launch_dependents` (`pdl_trigger`) or exited, and it must execute
 `griddepcontrol.wait` (`pdl_wait`) before it touches anything the previous kernel writes or
 reads. What that saves is each boundary's launch and ramp: a few percent at decode (H200, CUDA graph,
-L2 flushed; `python benchmarks/bench_experts.py --tokens 1,2,4,8` with and without `--no-pdl`). A bulk L2
+L2 flushed; `python benchmarks/bench_experts.py --tokens 1,2,4,8` with and without `--pdl off`). A bulk L2
 prefetch of the down GEMM's weight slab before its wait (overlapping down's weight stream with
 gate_up's) was tried there and lost at every point: it is not kept.
 

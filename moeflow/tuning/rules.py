@@ -41,7 +41,8 @@ class KernelRules:
         (long K loops): deepseek-v3 (H 7168, 56 K steps) T 8192 9226 against 9867 us for the whole fp8
         layer; level at H 4096-5120 (qwen3-235b, glm-4.5); slower at H 2048 (qwen3-30b-a3b: 1181 against
         1143), where its per-tile prologue and epilogue weigh more (`python benchmarks/bench_experts_quant.py
-        --shapes deepseek-v3-fp8,qwen3-30b-a3b-fp8 --tokens 8192`, with and without `--pin gate_up=fp8_tma`).
+        --shapes deepseek-v3,qwen3-30b-a3b-fp8 --no-graph --decode 1 --prefill 8192`, with and without
+        `--pin gate_up=fp8_tma`).
     fp8_batch_invariant_imprecise_acc:
         the batch-invariant fp8 dots restart the wgmma's reduced-precision (~13-bit) accumulation every this
         many products with an f32 sum in between; without it a requantized activation sitting at an e4m3
@@ -52,8 +53,9 @@ class KernelRules:
         (the successor launches as this grid's programs exit) or "early" (right after its own wait).
         "early" lost up to 6% where gate_up's grid is under a wave (gpt-oss-120b T 2: down's programs,
         resident early, crowd a few SMs); "exit" lost nowhere beyond noise (0.994-1.036x stream order at
-        20 decode points, bf16 / FP8 / MXFP4, CUDA graph, L2 flushed; `python benchmarks/bench_experts.py
-        --tokens 1,2,4,8` with `KernelOptions(pdl=False)` against the default).
+        20 decode points, bf16 / FP8 / MXFP4, CUDA graph, L2 flushed; `python tools/diag_pdl.py` times a
+        trigger against stream order, `python benchmarks/bench_experts.py --tokens 1,2,4,8 --pdl off` against
+        the default).
     fp4_gemv_max_pairs:
         FP4 layers with at most this many (token, slot) pairs run the GEMV path (no alignment, each weight
         byte decoded once per pair). gpt-oss-120b (H200): the GEMV beat the MMA tiles 1.7x at T 16 and
