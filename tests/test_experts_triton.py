@@ -1,9 +1,15 @@
-"""The `triton` experts: alignment, fused GEMMs, combine, the decode path, batch invariance, CUDA graphs.
+"""The `triton` experts: alignment, fused GEMMs, combine, the kernel plan they run, batch invariance, CUDA graphs.
 
 Legend: T tokens, K slots, N = T*K pairs, E experts, H hidden, I intermediate, BM block rows.
 
+Which kernel variant runs each stage is the impl's KernelPlan (moeflow.experts.plan; its own tests are
+tests/test_kernel_plan.py): the tests here check that the impls run the plan's variants (asserted on
+`impl.plan(...)` and on the launchers the plan names, `moeflow.experts.fused.launch_*`), that variants of
+one stage give the same bits where they claim to (TMA vs pointer, flat vs tiled down, gathered rows), and
+that a caller's KernelOptions (tma, pdl, pinned variants) reach them.
+
 Three tiers:
-  * CPU, always: import without Triton, `supports` refusals, tuning tables (pure Python).
+  * CPU, always: import without Triton, `supports` refusals, tuning tables and plans (pure Python).
   * CPU with Triton installed: the same kernels under the Triton interpreter
     (TRITON_INTERPRET=1, in a subprocess so this process never imports Triton that way),
     fp32 and fp16 (the interpreter has no bf16 dot), against the torch reference.
@@ -17,6 +23,7 @@ same bf16 weights and inputs.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib.util
 import json
@@ -30,16 +37,14 @@ import pytest
 import torch
 
 from moeflow.config import ExpertWeights, MoEConfig
+from moeflow.experts.options import KernelOptions
 from moeflow.routing.spec import RouterSpec
 from moeflow.tuning import (
-    DecodeConfig,
     GemmTile,
     MoETileConfig,
     ShapeKey,
-    decode_lookup,
     default_batch_invariant,
     default_config,
-    default_decode_down,
     lookup,
     nearest_key,
     write_table,
@@ -116,6 +121,59 @@ def rel_l2(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm().clamp_min(1e-30))
 
 
+@contextlib.contextmanager
+def counted_launches(*names: str):
+    """{name: calls} of the named `moeflow.experts.fused` functions (launchers, `_gathered_x_descriptors`,
+    `fp8_quant_launch`) while the block runs; each call still does its work.
+
+    Why here and not by monkeypatching one name: the registry names a plan's launcher ("fused:launch_...")
+    and `fused._launcher` resolves it from the module at run time, caching it in `fused._LAUNCHERS`, which is
+    emptied on entry and on exit so the wrappers are what runs. A count makes a bitwise comparison of two
+    variants unable to pass by both sides running the same kernel.
+    """
+    import moeflow.experts.fused as F
+
+    counts = dict.fromkeys(names, 0)
+    saved = {n: getattr(F, n) for n in names}
+
+    def wrap(name, fn):
+        def run(*a, **kw):
+            counts[name] += 1
+            return fn(*a, **kw)
+        return run
+
+    F._LAUNCHERS.clear()
+    try:
+        for n, fn in saved.items():
+            setattr(F, n, wrap(n, fn))
+        yield counts
+    finally:
+        for n, fn in saved.items():
+            setattr(F, n, fn)
+        F._LAUNCHERS.clear()
+
+
+@contextlib.contextmanager
+def kernel_rules(**changes):
+    """Plans made inside the block use moeflow/tuning/rules.json's KernelRules with these fields changed.
+
+    The impls take no rules argument (the measured thresholds are package data), so a test that needs the
+    other side of a threshold replaces what moeflow.experts.plan reads; impls made inside the block cache
+    their plans, so make fresh ones there. Yields the rules.
+    """
+    import moeflow.experts.plan as plan_module
+    from moeflow.tuning.rules import load_rules
+
+    rules = dataclasses.replace(load_rules(), **changes)
+    with mock.patch.object(plan_module, "load_rules", lambda path=None: rules):
+        yield rules
+
+
+def stage_variants(plan) -> dict[str, str]:
+    """{stage: variant} of a KernelPlan."""
+    return {st.stage: st.variant for st in plan.stages}
+
+
 # --------------------------------------------------------------------------- CPU: no Triton needed
 def test_import_needs_neither_triton_nor_cuda():
     code = (
@@ -134,7 +192,8 @@ def test_import_needs_neither_triton_nor_cuda():
 
 
 def test_import_does_not_load_triton():
-    code = "import sys, moeflow.experts.triton, moeflow.tuning; print('triton' in sys.modules)"
+    code = ("import sys, moeflow.experts.triton, moeflow.experts.plan, moeflow.experts.fused, moeflow.tuning; "
+            "print('triton' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                           env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
@@ -196,33 +255,89 @@ def check_token_refusals(impl, x, ids, wts, w, cfg):
     assert out.shape == (T, H) and out.dtype == x.dtype and not out.any()
 
 
-def test_flat_down_auto_rule():
-    """FLAT_DOWN None (the default): the bf16 down runs flat at <= FLAT_DOWN_AUTO_K_STEPS K steps (qwen3's
-    I = 768 at BK 64: 12) on full 128-row tiles (flat_down_rule), tiled above (deepseek-v3's 2048: 32), with
-    half tiles or BM < 128; the fp8 down and gate_up (no by_rule) stay tiled; True / False force it. One
-    program per SM when flat (the interpreter's 4 on CPU). The launchers' by_rule: check_tma."""
-    import moeflow.experts.triton as TE
+def test_flat_down_rule_in_the_impls_plan():
+    """The bf16 TMA down runs flat ("tma_flat": one persistent loop over (tile, K step)) on full 128-row tiles
+    with at most KernelRules.flat_down_max_k_steps K steps (qwen3's I = 768 at BK 64: 12), tiled ("tma")
+    above (deepseek-v3's 2048: 32), with half tiles or with BM < 128; a tuned entry's flat_down wins over the
+    rule both ways, a pinned variant over both. Flat runs one program per SM (the interpreter's 4 on CPU); the
+    tiled down one per tile unless its tile is persistent. gate_up and the fp8 down have no flat form. Pure
+    Python: TritonExperts(tma=True).plan on CPU tensors."""
+    from moeflow.experts.plan import variants_for
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.tuning.rules import load_rules
 
+    steps = load_rules().flat_down_max_k_steps
     t = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3)
     full = MoETileConfig(block_m=128, gate_up=t, down=t)
-    assert TE.flat_down_rule(full, 768)
-    assert TE.flat_down_rule(full, 64 * TE.FLAT_DOWN_AUTO_K_STEPS)
-    assert not TE.flat_down_rule(full, 64 * TE.FLAT_DOWN_AUTO_K_STEPS + 1)
-    assert not TE.flat_down_rule(full, 2048)
-    assert not TE.flat_down_rule(dataclasses.replace(full, half_tail=True), 768)
-    assert not TE.flat_down_rule(dataclasses.replace(full, block_m=64), 768)
-    cpu = torch.device("cpu")
-    assert TE.FLAT_DOWN is None and TE.FLAT_GATE_UP is False
-    assert TE.tma_gemm_programs(t, cpu, by_rule=True) == (4, True)
-    assert TE.tma_gemm_programs(t, cpu) == (0, False)  # fp8 down: no rule
-    assert TE.tma_gemm_programs(dataclasses.replace(t, persistent=True), cpu) == (4, False)
-    assert TE.tma_gemm_programs(t, cpu, gate_up=True, by_rule=True, cfg_flat=True) == (0, False)
-    assert TE.tma_gemm_programs(t, cpu, by_rule=True, cfg_flat=False) == (0, False)  # the config wins
-    assert TE.tma_gemm_programs(t, cpu, cfg_flat=True) == (4, True)
-    with mock.patch.object(TE, "FLAT_DOWN", False):
-        assert TE.tma_gemm_programs(t, cpu, by_rule=True, cfg_flat=True) == (0, False)
-    with mock.patch.object(TE, "FLAT_DOWN", True):
-        assert TE.tma_gemm_programs(t, cpu, cfg_flat=False) == (4, True)
+    weights = {}
+
+    def plan(I, tiles, **options):
+        if I not in weights:
+            weights[I] = make_case(2, 128, I, 2, "silu")[1]
+        impl = TritonExperts(allow_cpu=True, tile_config=tiles, options=KernelOptions(tma=True, **options))
+        return impl.plan(weights[I], 4, 2)
+
+    def down(I, tiles, **options):
+        st = plan(I, tiles, **options).stage("down")
+        return st.variant, st.get("programs")
+
+    assert down(768, full) == ("tma_flat", 4)
+    assert down(64 * steps, full) == ("tma_flat", 4)
+    assert down(64 * (steps + 1), full) == ("tma", 0)
+    assert down(2048, full) == ("tma", 0)
+    assert down(768, dataclasses.replace(full, half_tail=True)) == ("tma", 0)
+    assert down(768, dataclasses.replace(full, block_m=64)) == ("tma", 0)
+    persistent = dataclasses.replace(t, persistent=True)
+    assert down(768, dataclasses.replace(full, block_m=64, down=persistent)) == ("tma", 4)  # persistent, tiled
+    assert down(768, dataclasses.replace(full, flat_down=False)) == ("tma", 0)  # the tuned entry wins
+    assert down(2048, dataclasses.replace(full, flat_down=True)) == ("tma_flat", 4)
+    assert down(2048, full, pin={"down": "tma_flat"}) == ("tma_flat", 4)  # the pin wins over both
+    assert down(768, dataclasses.replace(full, flat_down=True), pin={"down": "tma"}) == ("tma", 0)
+    why = plan(768, full).stage("down").why
+    assert f"<= {steps} K steps" in why, why
+    # gate_up keeps one program per tile whatever the down does
+    gu = plan(768, dataclasses.replace(full, flat_down=True)).stage("gate_up")
+    assert (gu.variant, gu.get("programs")) == ("tma", 0)
+    assert [v.name for v in variants_for("down", "fp8_block")] == ["fp8_tma", "fp8_pointer"]
+    assert not [v.name for fmt in ("plain", "fp8_block") for v in variants_for("gate_up", fmt) if "flat" in v.name]
+
+
+def test_impl_options_reach_the_plan():
+    """TritonExperts passes its KernelOptions to the plan (tma / pdl / pins), checks them by name, and caches one
+    plan per step shape; `tile_config_for` is the plan's tiles."""
+    from moeflow.experts.plan import PlanError
+    from moeflow.experts.triton import TritonExperts
+
+    cfg, w = make_case(4, 64, 64, 2, "silu")
+    tiles = _tiny_tiles(1)
+    default = TritonExperts(allow_cpu=True, tile_config=tiles)
+    # CPU: no TMA unless asked for (the interpreter runs the TMA kernels too), no PDL
+    p = default.plan(w, 3, 2)
+    assert stage_variants(p) == {"align": "align", "gate_up": "pointer", "down": "pointer", "combine": "combine"}
+    assert not p.pdl and p.pdl_gemm == 0 and p.tiles == tiles == default.tile_config_for(w, 2, 3)
+    assert default.plan(w, 3, 2) is p, "one plan per step shape, cached"
+    assert default.plan(w, 4, 2) is not p
+    tma = TritonExperts(allow_cpu=True, tile_config=tiles, tma=True)
+    assert tma.options == KernelOptions(tma=True) and tma.tma is True
+    assert stage_variants(tma.plan(w, 3, 2))["gate_up"] == "tma"
+    assert stage_variants(tma.plan(w, 3, 2))["down"] == "tma"
+    assert stage_variants(TritonExperts(allow_cpu=True, tile_config=tiles, tma=False).plan(w, 3, 2))["gate_up"] == "pointer"
+    pinned = TritonExperts(allow_cpu=True, tile_config=tiles, options=KernelOptions(tma=True, pin={"gate_up": "tma_gather_x"}))
+    assert pinned.plan(w, 3, 2).stage("gate_up").get("gather_x") is True
+    # a pinned variant that cannot run the step is an error naming why, at the call (no quiet fallback)
+    x, ids, wts = make_tokens(3, 64, 4, 2, torch.float32, "cpu")
+    no_tma = TritonExperts(allow_cpu=True, tile_config=tiles, options=KernelOptions(pin={"gate_up": "tma"}))
+    with pytest.raises(PlanError, match=r"pin\['gate_up'\]='tma' cannot run this step: no TMA on cpu"):
+        no_tma.plan(w, 3, 2)
+    if HAS_TRITON:
+        with pytest.raises(PlanError, match="no TMA on cpu"):
+            no_tma.forward_tokens(x, ids, wts, w, cfg)
+    with pytest.raises(TypeError, match=r"TritonExperts.options: expected a KernelOptions, got dict"):
+        TritonExperts(options={"tma": True})
+    with pytest.raises(TypeError, match=r"TritonExperts.tma='yes'"):
+        TritonExperts(tma="yes")
+    with pytest.raises(ValueError, match=r"tma=True contradicts options.tma=False"):
+        TritonExperts(tma=True, options=KernelOptions(tma=False))
 
 
 def test_check_tokens_and_flat_pairs():
@@ -387,87 +502,25 @@ def test_default_config_regimes():
     assert bi.down.split_k == 1
 
 
-def test_decode_path_choice(monkeypatch):
-    """Which calls take the two-launch decode path (pure Python: no Triton needed)."""
-    import moeflow.experts.triton as mt
-    from moeflow.experts.triton import DECODE_MAX_PAIRS, TritonExperts
-
-    assert DECODE_MAX_PAIRS == 64
-    # off by default (slower than the aligned path on the H200 with its heuristic tiles)
-    assert not mt.DECODE_BY_DEFAULT and not TritonExperts().uses_decode_path(1, 8, 128)
-    monkeypatch.setattr(mt, "DECODE_BY_DEFAULT", True)  # the rule the default would follow
-    auto = TritonExperts()
-    # qwen3-like E=128, K=8: T <= 8 (N <= 64); mixtral-like E=8, K=2: N <= E, so T <= 4
-    assert [auto.uses_decode_path(T, 8, 128) for T in (1, 8, 9)] == [True, True, False]
-    assert [auto.uses_decode_path(T, 2, 8) for T in (1, 4, 5)] == [True, True, False]
-    assert not auto.uses_decode_path(0, 8, 128)
-    # batch-invariant mode: one arithmetic for every T, never the decode path
-    assert not TritonExperts(batch_invariant=True).uses_decode_path(1, 8, 128)
-    assert not TritonExperts(batch_invariant=True, decode_max_pairs=64).uses_decode_path(1, 8, 128)
-    # a forced aligned tiling keeps the aligned path, unless decode_max_pairs says otherwise
-    t = GemmTile(block_n=16, block_k=16, num_stages=1)
-    tiles = MoETileConfig(block_m=16, gate_up=t, down=t)
-    assert not TritonExperts(tile_config=tiles).uses_decode_path(1, 8, 128)
-    assert TritonExperts(tile_config=tiles, decode_max_pairs=8).uses_decode_path(1, 8, 128)
-    # explicit bound: whatever E
-    assert TritonExperts(decode_max_pairs=64).uses_decode_path(32, 2, 4)
-    assert not TritonExperts(decode_max_pairs=0).uses_decode_path(1, 1, 4)
-    for bad in (65, -1, 2.0, True):
-        with pytest.raises(ValueError, match="decode_max_pairs"):
-            TritonExperts(decode_max_pairs=bad)
-    with pytest.raises(TypeError, match="decode_config"):
-        TritonExperts(decode_config=tiles)
-
-
-def test_decode_path_follows_tuned_decode_entries(monkeypatch, tmp_path):
-    """A table's "decode" entries (written where the tuner saw the decode path win) send the batches
-    nearest those T down it; the other T, BI mode, forced tiles and calls without weights do not."""
-    import moeflow.tuning as tuning
-    from moeflow.experts.triton import TritonExperts
-    from moeflow.tuning import DecodeConfig, decode_tuned
-
-    E, H, I, K = 16, 32, 32, 4
-    cfg, w = make_case(E, H, I, K, "silu")
-    key = ShapeKey(num_experts=E, hidden_size=H, intermediate_size=I, top_k=K, layout="linear",
-                   interleaved=False, dtype="float32")
-    t = GemmTile(block_n=16, block_k=16, num_stages=1)
-    aligned = {T: MoETileConfig(block_m=16, gate_up=t, down=t) for T in (1, 4, 64)}
-    write_table(key, "cpu", aligned, None, directory=tmp_path, decode={T: DecodeConfig(gate_up=t, down=t) for T in (1, 4)})
-    # nearest tuned T in log scale over {1, 4, 64}: 3 -> 4, 8 -> 4, 12 -> 4, 24 -> 64
-    assert [decode_tuned(key, T, "cpu", directory=tmp_path) for T in (1, 3, 8, 12, 24, 64)] == [
-        True, True, True, True, False, False]
-    assert not decode_tuned(key, 1, "cpu")  # no table in the package directory for this shape
-    monkeypatch.setattr(tuning, "TUNING_DIR", tmp_path)
-    auto = TritonExperts(allow_cpu=True)
-    # T = 17: 68 pairs, over the decode path's 64
-    assert [auto.uses_decode_path(T, K, E, w) for T in (1, 3, 12, 17, 24)] == [True, True, True, False, False]
-    assert not auto.uses_decode_path(1, K, E)  # without the weights: no table to ask
-    assert not TritonExperts(allow_cpu=True, batch_invariant=True).uses_decode_path(1, K, E, w)
-    assert not TritonExperts(allow_cpu=True, tile_config=aligned[1]).uses_decode_path(1, K, E, w)
-    assert not TritonExperts(allow_cpu=True, decode_max_pairs=0).uses_decode_path(1, K, E, w)
-
-
 def test_tuner_merge_keeps_untuned_entries(tmp_path):
-    """tune_experts --merge-from: a run over some T replaces the table's entries at those T (a decode
-    entry at a T tuned now too) and keeps the others and the batch-invariant entries."""
+    """tune_experts --merge-from: a run over some T replaces the table's entries at those T and keeps the
+    others and the batch-invariant entries."""
     from benchmarks.tune_experts import merge_into
-    from moeflow.tuning import DecodeConfig, load_table
+    from moeflow.tuning import load_table
 
     key = ShapeKey(num_experts=8, hidden_size=32, intermediate_size=32, top_k=2, layout="linear",
                    interleaved=False, dtype="float32")
     a, b = GemmTile(block_n=16, block_k=16), GemmTile(block_n=32, block_k=32)
     old_cfg = {T: MoETileConfig(block_m=16, gate_up=a, down=a) for T in (1, 8, 2048)}
     bi = MoETileConfig(block_m=64, gate_up=a, down=a)
-    write_table(key, "cpu", old_cfg, bi, directory=tmp_path, decode={1: DecodeConfig(gate_up=a, down=a),
-                                                                       8: DecodeConfig(gate_up=a, down=a)})
+    write_table(key, "cpu", old_cfg, bi, directory=tmp_path)
     new = {T: MoETileConfig(block_m=128, gate_up=b, down=b) for T in (8, 8192)}
     new_bi = MoETileConfig(block_m=128, gate_up=b, down=b)
-    cfg, got_bi, by_t, dec = merge_into(load_table(key, "cpu", tmp_path), new, new_bi, None, {})
+    cfg, got_bi, by_t = merge_into(load_table(key, "cpu", tmp_path), new, new_bi, None)
     assert sorted(cfg) == [1, 8, 2048, 8192]
     assert cfg[8] == new[8] and cfg[8192] == new[8192] and cfg[1] == old_cfg[1] and cfg[2048] == old_cfg[2048]
-    assert sorted(dec) == [1]  # T = 8 was tuned now (the aligned path won there)
     assert got_bi == bi and by_t is None
-    assert merge_into(None, new, new_bi, None, {}) == (new, new_bi, None, {})
+    assert merge_into(None, new, new_bi, None) == (new, new_bi, None)
 
 
 def test_hopper_sibling_table_serves_a_card_without_its_own(tmp_path):
@@ -493,31 +546,6 @@ def test_hopper_sibling_table_serves_a_card_without_its_own(tmp_path):
     write_table(key, h100, own, None, directory=tmp_path)
     assert table_device(key, h100, tmp_path) == "NVIDIA_H100_80GB_HBM3"
     assert load_table(key, h100, tmp_path)["configs"][8192] == own[8192]
-
-
-def test_decode_config_data(tmp_path):
-    key = ShapeKey(num_experts=128, hidden_size=2048, intermediate_size=768, top_k=8, layout="linear",
-                   interleaved=False, dtype="bfloat16")
-    # no file: gate_up from the aligned path's entry for T, down from the heuristic
-    got = decode_lookup(key, 1, "Fake GPU", directory=tmp_path)
-    assert got.gate_up == lookup(key, 1, "Fake GPU", directory=tmp_path).gate_up
-    assert got.down == default_decode_down(key, 1)
-    # the down grid (T, H / BN) keeps >= 2 programs per SM while it can; never below BN = 16
-    assert default_decode_down(key, 1, sm_count=132).block_n == 16
-    assert default_decode_down(key, 8, sm_count=132).block_n == 32  # 8 * 2048/32 = 512 programs
-    assert default_decode_down(key, 64, sm_count=132).block_n == 128
-    with pytest.raises(ValueError, match="split_k"):
-        DecodeConfig(gate_up=GemmTile(block_n=32, block_k=64), down=GemmTile(block_n=32, block_k=64, split_k=2))
-    with pytest.raises(ValueError, match="expected keys"):
-        DecodeConfig.from_dict({"gate_up": {}})
-    d1 = DecodeConfig(gate_up=GemmTile(block_n=32, block_k=128), down=GemmTile(block_n=16, block_k=256))
-    d8 = DecodeConfig(gate_up=GemmTile(block_n=64, block_k=64), down=GemmTile(block_n=32, block_k=128))
-    assert DecodeConfig.from_dict(json.loads(json.dumps(d1.to_dict()))) == d1
-    t = GemmTile(block_n=32, block_k=64)
-    write_table(key, "Fake GPU", {1: MoETileConfig(block_m=16, gate_up=t, down=t)}, None, directory=tmp_path,
-                decode={1: d1, 8: d8})
-    assert decode_lookup(key, 2, "Fake GPU", directory=tmp_path) == d1
-    assert decode_lookup(key, 6, "Fake GPU", directory=tmp_path) == d8
 
 
 def test_max_blocks_bound_holds():
@@ -556,38 +584,41 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="moeflow.kernels.pdl imports triton")
-def test_pdl_modes(monkeypatch):
-    """PDL is off on the CPU; the GEMMs' trigger mode follows GEMM_TRIGGER / MOEFLOW_PDL_TRIGGER and a bad
-    value is refused by name."""
+def test_pdl_in_the_plan():
+    """PDL is the plan's: off on the CPU (the interpreter) and before sm_90 (True asks for it where the device
+    has it), on at sm_90 unless KernelOptions(pdl=False); the chain GEMMs' trigger mode follows
+    KernelRules.pdl_gemm_trigger ("early": moeflow.kernels.pdl.EARLY, "exit": AT_EXIT); a bad value is
+    refused by name."""
     import moeflow.kernels.pdl as P
+    from moeflow.experts.plan import NAMED_DEVICES, StepShape, plan_step
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.tuning.rules import KernelRules, load_rules
 
-    assert not P.pdl_for(torch.device("cpu"))
-    assert P.gemm_mode(False) == P.OFF
-    monkeypatch.delenv("MOEFLOW_PDL_TRIGGER", raising=False)
-    monkeypatch.setattr(P, "GEMM_TRIGGER", "early")
-    assert P.gemm_mode(True) == P.EARLY
-    monkeypatch.setenv("MOEFLOW_PDL_TRIGGER", "exit")
-    assert P.gemm_mode(True) == P.AT_EXIT
-    monkeypatch.setenv("MOEFLOW_PDL_TRIGGER", "late")
-    with pytest.raises(ValueError, match="MOEFLOW_PDL_TRIGGER: 'late'"):
-        P.gemm_mode(True)
+    cfg, w = make_case(4, 64, 64, 2, "silu")
+    assert not TritonExperts(allow_cpu=True).plan(w, 1, 2).pdl
+    assert TritonExperts(allow_cpu=True).plan(w, 1, 2).pdl_gemm == P.OFF
+    s = StepShape(fmt="plain", dtype="bfloat16", num_experts=8, tiling_experts=8, hidden_size=4096,
+                  intermediate_size=14336, top_k=2, tokens=1, pairs=2)
+    h100, a100 = NAMED_DEVICES["h100"], NAMED_DEVICES["a100"]
+    for trigger, mode in (("early", P.EARLY), ("exit", P.AT_EXIT)):
+        rules = dataclasses.replace(load_rules(), pdl_gemm_trigger=trigger)
+        for options in (KernelOptions(), KernelOptions(pdl=True)):
+            p = plan_step(s, h100, options=options, rules=rules)
+            assert (p.pdl, p.pdl_gemm) == (True, mode), (trigger, options)
+            assert plan_step(s, a100, options=options, rules=rules).pdl_gemm == P.OFF
+        off = plan_step(s, h100, options=KernelOptions(pdl=False), rules=rules)
+        assert (off.pdl, off.pdl_gemm) == (False, P.OFF)
+    assert plan_step(s, h100).pdl_gemm == (P.EARLY if load_rules().pdl_gemm_trigger == "early" else P.AT_EXIT)
+    with pytest.raises(ValueError, match="KernelRules.pdl_gemm_trigger='late'"):
+        KernelRules(pdl_gemm_trigger="late")
+    with pytest.raises(TypeError, match="KernelOptions.pdl='yes'"):
+        KernelOptions(pdl="yes")
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["align", "families", "modes", "decode", "tma", "half"])
+@pytest.mark.parametrize("check", ["align", "families", "modes", "tma", "half"])
 def test_interpreter(check):
     _run_interp(check)
-
-
-@pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-def test_tma_kernels_match_the_aligned_kernels_in_the_interpreter():
-    """The experimental TMA / persistent GEMMs (moeflow/kernels/moe_gemm_tma.py) against the tuned
-    kernels on a tiny shape: benchmarks/diag_tma_gemm.py --dry-run exits 1 on a wrong variant."""
-    env = dict(os.environ, TRITON_INTERPRET="1", PYTHONPATH=str(ROOT))
-    r = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "diag_tma_gemm.py"), "--dry-run"],
-                       capture_output=True, text=True, env=env, timeout=600)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert r.stdout.count(" tma ") == 2 and r.stdout.count(" pers ") == 2, r.stdout
 
 
 def _patch_interpreter_index() -> None:
@@ -617,15 +648,12 @@ def check_alignment(device: str) -> None:
 
     cases = [(1, 1, 16), (7, 3, 16), (100, 61, 16), (64, 8, 64), (A.ALIGN_FUSED_MAX + 1, 257, 32),
              (5000, 5, 128), (3000, 61, 16), (2048, 3, 16), (40000, 7, 64)]  # the last: 512-pair chunks
-    # Both ways of placing a chunk's pairs (sort, serial one-hot steps); the interpreter's tl.sort is
-    # slow, so there the sorted one runs on the small cases only.
-    saved = A.ALIGN_SORTED
-    try:
-        for sorted_ in (True, False):
-            A.ALIGN_SORTED = sorted_
+    # Both ways of placing a chunk's pairs (one sort on the GPU, serial one-hot steps under the interpreter;
+    # align_launch asks moeflow._triton.interpreted()): each runs where the other would, by giving align_launch
+    # the other answer. The interpreter's tl.sort is slow, so there the sorted one runs on the small cases only.
+    for sorted_ in (True, False):
+        with mock.patch.object(A, "interpreted", lambda s=sorted_: not s):
             _check_alignment_cases(device, cases if device != "cpu" or not sorted_ else cases[:5] + [(700, 5, 16)])
-    finally:
-        A.ALIGN_SORTED = saved
     check_small_alignment(device)
 
 
@@ -687,7 +715,7 @@ def _check_alignment_cases(device: str, cases) -> None:
             align_launch(ids, E, bm, sp, be)
             want_sp, want_be = expected_alignment(ids, E, bm)
             got_sp, got_be = sp.cpu().tolist(), be.cpu().tolist()
-            where = dict(N=N, E=E, bm=bm, skew=skew, sorted=A.ALIGN_SORTED)
+            where = dict(N=N, E=E, bm=bm, skew=skew, sorted=not A.interpreted())
             assert got_sp[: len(want_sp)] == want_sp, where
             assert got_be[: len(want_be)] == want_be, where
             assert all(b == -1 for b in got_be[len(want_be):]), (where, got_be[len(want_be):])
@@ -765,95 +793,77 @@ def check_half_tiles(device: str, dtype: torch.dtype, T_list, tol: float) -> Non
 
 
 def check_tma(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
-    """TritonExperts(tma=True) on the linear families: TMA weight tiles really taken (both GEMMs at
-    split 1), against the reference, and against tma=False."""
-    import moeflow.experts.triton as TE
+    """TritonExperts(tma=True) on the linear families: the plan's TMA variants, really launched (gate_up
+    always, down at split 1: split-K partials keep the pointer kernel), against the reference and against
+    tma=False; the down's flat form (pin "tma_flat") gives the tiled one's bits (pin "tma"), and the default
+    is the form the plan's rule names (flat at short K on full 128-row tiles, or the tuned entry's
+    flat_down); the gate_up's rows copied into pair order and read by TMA (pin "tma_gather_x") give the
+    bits of the rows gathered by pointer loads."""
+    from moeflow.experts.triton import TritonExperts
+    from moeflow.tuning.rules import load_rules
 
-    calls = {"gate_up": 0, "down": 0}
-    orig = TE._launch_gate_up_tma, TE._launch_down_tma
-
-    def gate_up(*a):
-        calls["gate_up"] += 1
-        orig[0](*a)
-
-    def down(*a):
-        calls["down"] += 1
-        orig[1](*a)
-
-    by_rules = []  # the by_rule each bf16 TMA down launch passed (FLAT_DOWN's auto rule)
-    flats = []  # what each of those launches decided
-    orig_programs = TE.tma_gemm_programs
-
-    def programs(t, dev, gate_up=False, by_rule=False, cfg_flat=None):
-        by_rules.append(by_rule)
-        progs, flat = orig_programs(t, dev, gate_up, by_rule, cfg_flat)
-        flats.append(flat)
-        return progs, flat
-
-    gathers = []  # each GATHER_X copy of the gate_up's rows
-    orig_gather = TE._gathered_x_descriptors
-
-    def gather(*a):
-        gathers.append(1)
-        return orig_gather(*a)
-
-    TE._launch_gate_up_tma, TE._launch_down_tma, TE.tma_gemm_programs = gate_up, down, programs
-    TE._gathered_x_descriptors = gather
-    try:
-        for name, E, H, I, K, act, layout, il, bias, _woi in FAMILIES:
-            if layout != "linear" or il or bias:
-                continue
-            cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device)
-            pers = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=True)
-            half = dataclasses.replace(_tiny_tiles(1), block_m=32, half_tail=True)
-            full_128 = dataclasses.replace(_tiny_tiles(1), block_m=128)  # the auto rule's flat case
-            # a config's flat_down beats the rule both ways
-            forced = (dataclasses.replace(_tiny_tiles(1), flat_down=True), dataclasses.replace(full_128, flat_down=False))
-            for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers), half,
-                          full_128, *forced):
-                on = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=True)
-                off = TE.TritonExperts(allow_cpu=device == "cpu", tile_config=tiles, tma=False)
-                for T in T_list:
-                    x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
-                    before = dict(calls)
-                    by_rules.clear()
-                    flats.clear()
+    max_steps = load_rules().flat_down_max_k_steps
+    cpu = device == "cpu"
+    launchers = ("launch_gate_up_tma", "launch_down_tma", "launch_gate_up_pointer", "launch_down_pointer",
+                 "_gathered_x_descriptors")
+    for name, E, H, I, K, act, layout, il, bias, _woi in FAMILIES:
+        if layout != "linear" or il or bias:
+            continue
+        cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device)
+        pers = GemmTile(block_n=16, block_k=16, num_stages=1, persistent=True)
+        half = dataclasses.replace(_tiny_tiles(1), block_m=32, half_tail=True)
+        full_128 = dataclasses.replace(_tiny_tiles(1), block_m=128)  # the rule's flat case
+        # a config's flat_down beats the rule both ways
+        forced = (dataclasses.replace(_tiny_tiles(1), flat_down=True), dataclasses.replace(full_128, flat_down=False))
+        for tiles in (_tiny_tiles(1), _tiny_tiles(2), MoETileConfig(block_m=16, gate_up=pers, down=pers), half,
+                      full_128, *forced):
+            on = TritonExperts(allow_cpu=cpu, tile_config=tiles, tma=True)
+            off = TritonExperts(allow_cpu=cpu, tile_config=tiles, tma=False)
+            split = tiles.down.split_k
+            flat_by_rule = (tiles.block_m >= 128 and not tiles.half_tail
+                            and -(-I // tiles.down.block_k) <= max_steps)
+            want_flat = flat_by_rule if tiles.flat_down is None else tiles.flat_down
+            want_down = "pointer" if split > 1 else ("tma_flat" if want_flat else "tma")
+            pins = {k: TritonExperts(allow_cpu=cpu, tile_config=tiles, options=KernelOptions(tma=True, pin=pin))
+                    for k, pin in (("flat", {"down": "tma_flat"}), ("tiled", {"down": "tma"}),
+                                   ("gather", {"gate_up": "tma_gather_x"}))}
+            for T in T_list:
+                plan = on.plan(w, T, K, act_dtype=dtype)
+                got = stage_variants(plan)
+                assert (got["gate_up"], got["down"]) == ("tma", want_down), f"{name} {tiles}: plan {got}"
+                assert stage_variants(off.plan(w, T, K, act_dtype=dtype))["gate_up"] == "pointer"
+                x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
+                with counted_launches(*launchers) as n:
                     out = on.forward_tokens(x, ids, wts, w, cfg)
-                    assert calls["gate_up"] == before["gate_up"] + 1, f"{name}: gate_up did not take TMA tiles"
-                    # the auto rule: flat at short K on full 128-row tiles only
-                    full_128 = tiles.block_m >= 128 and not tiles.half_tail
-                    rule = full_128 and -(-I // tiles.down.block_k) <= TE.FLAT_DOWN_AUTO_K_STEPS
-                    want_rule = [rule] * (tiles.down.split_k == 1)
-                    assert by_rules == want_rule, f"{name} {tiles}: by_rule {by_rules}, expected {want_rule}"
-                    want_flat = [rule if tiles.flat_down is None else tiles.flat_down] * (tiles.down.split_k == 1)
-                    assert flats == want_flat, f"{name} {tiles}: flat {flats}, expected {want_flat}"
-                    split = tiles.down.split_k
-                    assert calls["down"] == before["down"] + (split == 1), f"{name} split {split}: down TMA calls"
-                    ref, _ = reference_tokens(x, ids, wts, w, cfg)
-                    err = rel_l2(out, ref)
-                    assert err <= tol, f"{name} T={T} tma rel-L2 {err:.3e} > {tol}"
-                    base = off.forward_tokens(x, ids, wts, w, cfg)
-                    d = (out.float() - base.float()).abs().max().item()
-                    assert d <= tol * max(1.0, base.abs().max().item()), f"{name} T={T}: tma vs pointer max {d:.3e}"
-                    if split == 1:  # the flattened persistent down (FLAT_DOWN) and the tiled one: the same bits
-                        with mock.patch.object(TE, "FLAT_DOWN", True):
-                            flat = on.forward_tokens(x, ids, wts, w, cfg).clone()
-                        with mock.patch.object(TE, "FLAT_DOWN", False):
-                            tiled = on.forward_tokens(x, ids, wts, w, cfg)
-                        assert calls["down"] == before["down"] + 3, f"{name}: the flat down did not take TMA tiles"
-                        assert torch.equal(flat, tiled), f"{name} T={T}: flat down != tiled down"
-                        assert torch.equal(out, tiled), f"{name} T={T}: the default down != tiled down"
-                    # the gate_up's rows copied into pair order and read by TMA (GATHER_X): the same bits
-                    n_gather = len(gathers)
-                    with mock.patch.object(TE, "GATHER_X", True):
-                        gathered = on.forward_tokens(x, ids, wts, w, cfg)
-                    assert len(gathers) == n_gather + 1, f"{name} T={T}: GATHER_X did not copy the rows"
-                    assert torch.equal(gathered, out), f"{name} T={T} {tiles}: gathered rows (A by TMA) != pointer rows"
-                    print(f"{name:13s} T={T:4d} split={split} tma rel-L2 {err:.2e}, vs pointer kernels {d:.1e}")
-    finally:
-        TE._launch_gate_up_tma, TE._launch_down_tma = orig
-        TE.tma_gemm_programs = orig_programs
-        TE._gathered_x_descriptors = orig_gather
+                want_n = {"launch_gate_up_tma": 1, "launch_down_tma": int(split == 1), "launch_gate_up_pointer": 0,
+                          "launch_down_pointer": int(split > 1), "_gathered_x_descriptors": 0}
+                assert n == want_n, f"{name} {tiles}: launches {n}, expected {want_n}"
+                ref, _ = reference_tokens(x, ids, wts, w, cfg)
+                err = rel_l2(out, ref)
+                assert err <= tol, f"{name} T={T} tma rel-L2 {err:.3e} > {tol}"
+                base = off.forward_tokens(x, ids, wts, w, cfg)
+                d = (out.float() - base.float()).abs().max().item()
+                assert d <= tol * max(1.0, base.abs().max().item()), f"{name} T={T}: tma vs pointer max {d:.3e}"
+                if split == 1:  # the flattened persistent down and the tiled one: the same bits
+                    flat_impl, tiled_impl = pins["flat"], pins["tiled"]
+                    assert flat_impl.plan(w, T, K, act_dtype=dtype).stage("down").get("flat") is True
+                    assert tiled_impl.plan(w, T, K, act_dtype=dtype).stage("down").get("flat") is False
+                    with counted_launches(*launchers) as n:
+                        flat = flat_impl.forward_tokens(x, ids, wts, w, cfg)
+                        tiled = tiled_impl.forward_tokens(x, ids, wts, w, cfg)
+                    assert n["launch_down_tma"] == 2 and n["launch_down_pointer"] == 0, f"{name}: the pinned downs: {n}"
+                    assert torch.equal(flat, tiled), f"{name} T={T}: flat down != tiled down"
+                    assert torch.equal(out, tiled), f"{name} T={T}: the default down != tiled down"
+                # the gate_up's rows copied into pair order and read by TMA: the same bits
+                gather = pins["gather"]
+                assert gather.plan(w, T, K, act_dtype=dtype).stage("gate_up").get("gather_x") is True
+                with counted_launches(*launchers) as n:
+                    gathered = gather.forward_tokens(x, ids, wts, w, cfg)
+                assert (n["_gathered_x_descriptors"], n["launch_gate_up_tma"]) == (1, 1), \
+                    f"{name} T={T}: the pinned gather did not copy the rows: {n}"
+                assert torch.equal(gathered, out), f"{name} T={T} {tiles}: gathered rows (A by TMA) != pointer rows"
+                print(f"{name:13s} T={T:4d} split={split} down={want_down} tma rel-L2 {err:.2e}, vs pointer kernels "
+                      f"{d:.1e}")
 
 
 def check_modes(device: str, dtype: torch.dtype) -> None:
@@ -884,54 +894,6 @@ def check_modes(device: str, dtype: torch.dtype) -> None:
     assert_bitwise_equal(out[keep.to(device)], again[keep.to(device)], what="other rows untouched by a bad id")
 
 
-def _tiny_decode() -> DecodeConfig:
-    """Tiles that give several column tiles, several I steps per slot and ragged edges at tiny sizes."""
-    return DecodeConfig(gate_up=GemmTile(block_n=16, block_k=16, num_stages=1),
-                        down=GemmTile(block_n=16, block_k=16, num_stages=1))
-
-
-def check_decode(device: str, dtype: torch.dtype, T_list, tol: float) -> None:
-    """The two-launch decode path: against the fp32 reference and the aligned path, for every family,
-    layout, activation, bias, weight_on_input; deterministic; NaN rows for out-of-range ids."""
-    from moeflow.experts.triton import TritonExperts
-    from moeflow.testing import assert_bitwise_equal
-
-    cpu = device == "cpu"
-    for name, E, H, I, K, act, layout, il, bias, woi in FAMILIES:
-        cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=dtype, device=device, weight_on_input=woi)
-        aligned = TritonExperts(allow_cpu=cpu, decode_max_pairs=0)
-        for dcfg in (_tiny_decode(), None):
-            dec = TritonExperts(allow_cpu=cpu, decode_max_pairs=64, decode_config=dcfg)
-            for T in T_list:
-                if T * K > 64:
-                    continue
-                assert dec.uses_decode_path(T, K, E) and not aligned.uses_decode_path(T, K, E)
-                # skew: every token on expert 0 (one leader computes every pair of it)
-                x, ids, wts = make_tokens(T, H, E, K, dtype, device, seed=T, skew=T % 2 == 0)
-                out = dec.forward_tokens(x, ids, wts, w, cfg)
-                ref, _ = reference_tokens(x, ids, wts, w, cfg)
-                err = rel_l2(out, ref)
-                assert out.dtype == dtype and out.shape == (T, H)
-                assert err <= tol, f"{name} T={T} decode rel-L2 {err:.3e} > {tol}"
-                err_al = rel_l2(out, aligned.forward_tokens(x, ids, wts, w, cfg))
-                assert err_al <= tol, f"{name} T={T} decode vs aligned rel-L2 {err_al:.3e} > {tol}"
-                assert_bitwise_equal(dec.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} decode twice")
-                print(f"{name:13s} {str(dtype):14s} T={T:3d} decode tiles={'tiny' if dcfg else 'auto'} "
-                      f"rel-L2 {err:.2e} (vs aligned {err_al:.2e})")
-    # an out-of-range id poisons its token's row only
-    cfg, w = make_case(6, 48, 40, 2, "silu", dtype=dtype, device=device)
-    auto = TritonExperts(allow_cpu=cpu, decode_max_pairs=6)
-    x, ids, wts = make_tokens(3, 48, 6, 2, dtype, device, seed=5)
-    assert auto.uses_decode_path(3, 2, 6) and not auto.uses_decode_path(4, 2, 6)
-    good = auto.forward_tokens(x, ids, wts, w, cfg)
-    for bad_id in (6, -1):
-        bad = ids.clone()
-        bad[1, 0] = bad_id
-        out = auto.forward_tokens(x, bad, wts, w, cfg)
-        assert torch.isnan(out[1]).all(), f"id {bad_id}: a pair with an out-of-range id must poison its row"
-        assert_bitwise_equal(out[[0, 2]], good[[0, 2]], what=f"id {bad_id}: other rows untouched by a bad id")
-
-
 def _interp_main(check: str) -> None:
     _patch_interpreter_index()
     if check == "align":
@@ -941,9 +903,6 @@ def _interp_main(check: str) -> None:
         check_families("cpu", torch.float16, (9,), 3e-3)
     elif check == "modes":
         check_modes("cpu", torch.float32)
-    elif check == "decode":
-        check_decode("cpu", torch.float32, (1, 6, 21), 1e-5)
-        check_decode("cpu", torch.float16, (1, 4), 3e-3)
     elif check == "tma":
         check_tma("cpu", torch.float32, (1, 37), 1e-5)
         # bf16 operands (the interpreter computes them as the GPU: moeflow.testing.patch_interpreter_numerics)
@@ -1001,35 +960,6 @@ def test_gpu_matches_reference_bf16(shape):
             _check_bf16(yp, y_ref.reshape(T * K, H), f"{name} T={T} forward_pairs")
 
 
-@gpu
-@needs_gpu
-@pytest.mark.parametrize("shape", GPU_SHAPES, ids=[s[0] for s in GPU_SHAPES])
-def test_gpu_decode_matches_reference_bf16(shape):
-    """The two-launch decode path (forced for every N <= 64) in bf16: tolerance, determinism, NaN rows."""
-    from moeflow.experts.triton import TritonExperts
-    from moeflow.testing import assert_bitwise_equal
-
-    name, E, H, I, K, act, layout, il, bias, woi = shape
-    cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=torch.bfloat16, device="cuda", weight_on_input=woi)
-    dec = TritonExperts(decode_max_pairs=64)
-    for T in (1, 2, 3, 8, 16, 64):
-        if T * K > 64:
-            continue
-        assert dec.uses_decode_path(T, K, E)
-        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 8)
-        ref, _ = reference_tokens(x, ids, wts, w, cfg)
-        out = dec.forward_tokens(x, ids, wts, w, cfg)
-        _check_bf16(out, ref, f"{name} T={T} decode path")
-        assert_bitwise_equal(dec.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} decode deterministic")
-    x, ids, wts = make_tokens(2, H, E, K, torch.bfloat16, "cuda", seed=9)
-    good = dec.forward_tokens(x, ids, wts, w, cfg)
-    bad = ids.clone()
-    bad[1, 0] = E
-    out = dec.forward_tokens(x, bad, wts, w, cfg)
-    assert torch.isnan(out[1]).all(), f"{name}: an out-of-range id must poison its token's row"
-    assert_bitwise_equal(out[0], good[0], what=f"{name}: other rows untouched by a bad id")
-
-
 REAL_DECODE_SHAPES = [
     # (name, E, H, I, K, activation, layout, interleaved, bias): the tuned tables' shapes
     ("qwen3-30b-a3b", 128, 2048, 768, 8, "silu", "linear", False, False),
@@ -1041,8 +971,8 @@ REAL_DECODE_SHAPES = [
 @needs_gpu
 @pytest.mark.parametrize("shape", REAL_DECODE_SHAPES, ids=[s[0] for s in REAL_DECODE_SHAPES])
 def test_gpu_decode_real_shapes(shape):
-    """At real shapes with the tuned tiles (shared-memory limits, ragged H / I): decode path up to 64 pairs,
-    aligned above, vs the fp32 reference."""
+    """Decode batches at real shapes with the tuned tiles (shared-memory limits, ragged H / I) vs the fp32
+    reference, deterministic; the plan's variants are named in a failure."""
     from moeflow.experts.triton import TritonExperts
     from moeflow.testing import assert_bitwise_equal
 
@@ -1058,14 +988,13 @@ def test_gpu_decode_real_shapes(shape):
     gb = (torch.randn(E, 2 * I, device="cuda", generator=g) * 0.1).to(torch.bfloat16) if bias else None
     db = (torch.randn(E, H, device="cuda", generator=g) * 0.1).to(torch.bfloat16) if bias else None
     w = ExpertWeights(gu, dn, gb, db, layout=layout, interleaved=il)
-    impl = TritonExperts(decode_max_pairs=64)
+    impl = TritonExperts()
     for T in (1, 2, 4, 8, 16):
         x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
         ref, _ = reference_tokens(x, ids, wts, w, cfg)
         out = impl.forward_tokens(x, ids, wts, w, cfg)
-        _check_bf16(out, ref, f"{name} T={T} ({'decode' if impl.uses_decode_path(T, K, E) else 'aligned'} path)")
+        _check_bf16(out, ref, f"{name} T={T} {stage_variants(impl.plan(w, T, K))}")
         assert_bitwise_equal(impl.forward_tokens(x, ids, wts, w, cfg), out, what=f"{name} T={T} deterministic")
-    assert impl.uses_decode_path(1, K, E) and impl.uses_decode_path(64 // K, K, E)
 
 
 # Real H, I (linear, no bias); fewer experts where the weights would take tens of GB to build.
@@ -1077,51 +1006,54 @@ TMA_SHAPES = [("mixtral", 2, 4096, 14336, 2), ("qwen3", 128, 2048, 768, 8), ("de
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA tiles need Hopper or newer")
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=[s[0] for s in TMA_SHAPES])
 def test_gpu_tma_tiles_equal_pointer_tiles_bitwise(shape):
-    """TMA weight tiles (tma=True) give the pointer kernels' bits, in both modes, and are taken."""
-    import moeflow.experts.triton as TE
+    """TMA weight tiles (tma=True) give the pointer kernels' bits (tma=False), in both modes, and are taken
+    (the plan's gate_up is a TMA variant from T = 2048 and the TMA launcher runs); the persistent form and
+    the gate_up's rows gathered into pair order (pin "tma_gather_x", also under CUDA-graph capture) too."""
+    from moeflow.experts.triton import TritonExperts
     from moeflow.testing import assert_bitwise_equal
 
     name, E, H, I, K = shape
     cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
-    calls = []
-    orig = TE._launch_gate_up_tma
-    TE._launch_gate_up_tma = lambda *a: (calls.append(1), orig(*a))
-    try:
-        for bi in (False, True):
-            on, off = TE.TritonExperts(batch_invariant=bi, tma=True), TE.TritonExperts(batch_invariant=bi, tma=False)
-            for T in (1, 100, 2048, 4096):
-                x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
-                n = len(calls)
+    gate_up = ("launch_gate_up_tma", "launch_gate_up_pointer")
+    for bi in (False, True):
+        on, off = TritonExperts(batch_invariant=bi, tma=True), TritonExperts(batch_invariant=bi, tma=False)
+        for T in (1, 100, 2048, 4096):
+            x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T)
+            assert stage_variants(off.plan(w, T, K))["gate_up"] == "pointer"
+            with counted_launches(*gate_up) as n:
                 got = on.forward_tokens(x, ids, wts, w, cfg)
-                if T >= 2048:
-                    assert len(calls) == n + 1, f"{name} T={T} bi={bi}: gate_up did not take TMA tiles"
-                assert_bitwise_equal(got, off.forward_tokens(x, ids, wts, w, cfg),
-                                     what=f"{name} T={T} batch_invariant={bi}: TMA vs pointer tiles")
-        # the persistent form (one program per SM over the same tiles): the same bits again
-        pt = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True)
-        tiles = MoETileConfig(block_m=128, gate_up=pt, down=pt)
-        x, ids, wts = make_tokens(4096, H, E, K, torch.bfloat16, "cuda", seed=3)
-        n = len(calls)
-        got = TE.TritonExperts(tile_config=tiles, tma=True).forward_tokens(x, ids, wts, w, cfg)
-        assert len(calls) == n + 1, f"{name}: the persistent tiles did not take the TMA kernel"
-        assert_bitwise_equal(got, TE.TritonExperts(tile_config=tiles, tma=False).forward_tokens(x, ids, wts, w, cfg),
-                             what=f"{name}: persistent TMA vs pointer tiles")
-        # the gate_up's rows copied into pair order and read by TMA (GATHER_X), tuned and persistent tiles,
-        # under CUDA-graph capture too: the same bits
-        for T, tile_config in ((100, None), (2048, None), (4096, tiles)):
-            x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T + 1)
-            off = TE.TritonExperts(tile_config=tile_config, tma=False).forward_tokens(x, ids, wts, w, cfg)
-            with mock.patch.object(TE, "GATHER_X", True):
-                on = TE.TritonExperts(tile_config=tile_config, tma=True)
-                assert_bitwise_equal(on.forward_tokens(x, ids, wts, w, cfg), off,
-                                     what=f"{name} T={T}: gathered rows by TMA vs pointer tiles")
-                g = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(g):
-                    y = on.forward_tokens(x, ids, wts, w, cfg)
-            g.replay()
-            assert_bitwise_equal(y, off, what=f"{name} T={T}: gathered rows by TMA, graph replay")
-    finally:
-        TE._launch_gate_up_tma = orig
+            tma = stage_variants(on.plan(w, T, K))["gate_up"] in ("tma", "tma_gather_x")
+            assert n["launch_gate_up_tma"] == int(tma) and n["launch_gate_up_pointer"] == int(not tma), (T, n)
+            if T >= 2048:
+                assert tma, f"{name} T={T} bi={bi}: gate_up did not take TMA tiles: {on.plan(w, T, K).explain()}"
+            assert_bitwise_equal(got, off.forward_tokens(x, ids, wts, w, cfg),
+                                 what=f"{name} T={T} batch_invariant={bi}: TMA vs pointer tiles")
+    # the persistent form (one program per SM over the same tiles): the same bits again
+    pt = GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3, persistent=True)
+    tiles = MoETileConfig(block_m=128, gate_up=pt, down=pt)
+    x, ids, wts = make_tokens(4096, H, E, K, torch.bfloat16, "cuda", seed=3)
+    pers = TritonExperts(tile_config=tiles, tma=True)
+    assert pers.plan(w, 4096, K).stage("gate_up").get("programs") == torch.cuda.get_device_properties(0).multi_processor_count
+    with counted_launches(*gate_up) as n:
+        got = pers.forward_tokens(x, ids, wts, w, cfg)
+    assert n["launch_gate_up_tma"] == 1, f"{name}: the persistent tiles did not take the TMA kernel"
+    assert_bitwise_equal(got, TritonExperts(tile_config=tiles, tma=False).forward_tokens(x, ids, wts, w, cfg),
+                         what=f"{name}: persistent TMA vs pointer tiles")
+    # the gate_up's rows copied into pair order and read by TMA, tuned and persistent tiles, under CUDA-graph
+    # capture too: the same bits
+    for T, tile_config in ((100, None), (2048, None), (4096, tiles)):
+        x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T + 1)
+        off = TritonExperts(tile_config=tile_config, tma=False).forward_tokens(x, ids, wts, w, cfg)
+        on = TritonExperts(tile_config=tile_config, options=KernelOptions(tma=True, pin={"gate_up": "tma_gather_x"}))
+        with counted_launches("_gathered_x_descriptors") as n:
+            assert_bitwise_equal(on.forward_tokens(x, ids, wts, w, cfg), off,
+                                 what=f"{name} T={T}: gathered rows by TMA vs pointer tiles")
+        assert n["_gathered_x_descriptors"] == 1, f"{name} T={T}: the rows were not gathered"
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            y = on.forward_tokens(x, ids, wts, w, cfg)
+        g.replay()
+        assert_bitwise_equal(y, off, what=f"{name} T={T}: gathered rows by TMA, graph replay")
 
 
 def _replay_with(graph, inputs, new_inputs) -> None:
@@ -1136,11 +1068,14 @@ def _replay_with(graph, inputs, new_inputs) -> None:
 @pytest.mark.skipif(HAS_CUDA and torch.cuda.get_device_capability()[0] < 9, reason="TMA tiles need Hopper or newer")
 @pytest.mark.parametrize("shape", TMA_SHAPES, ids=[s[0] for s in TMA_SHAPES])
 def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
-    """The flattened persistent down GEMM (experts.triton.FLAT_DOWN; moe_gemm_tma._down_flat) gives the
-    bits of the tiled down with its half tiles and of the persistent form, at decode and prefill T and
+    """The flattened persistent down GEMM (pin "tma_flat"; moe_gemm_tma._down_flat) gives the bits of the
+    tiled down (pin "tma") with its half tiles and of the persistent form, at decode and prefill T and
     under skewed routing (empty and half-empty blocks), and replays from a CUDA graph with new routing."""
-    import moeflow.experts.triton as TE
+    from moeflow.experts.triton import TritonExperts
     from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
+
+    def impl(tiles, down):
+        return TritonExperts(tile_config=tiles, options=KernelOptions(tma=True, pin={"down": down}))
 
     name, E, H, I, K = shape
     cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
@@ -1148,114 +1083,29 @@ def test_gpu_flat_down_equals_the_tiled_down_bitwise(shape):
     tiled = MoETileConfig(block_m=128, gate_up=t, down=t, half_tail=True)
     pers = MoETileConfig(block_m=128, gate_up=t, down=dataclasses.replace(t, persistent=True))
     for tiles in (tiled, pers):
-        impl = TE.TritonExperts(tile_config=tiles, tma=True)
+        flat_impl, tiled_impl = impl(tiles, "tma_flat"), impl(tiles, "tma")
         for T in (1, 300, 2500):
             x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
-            with mock.patch.object(TE, "FLAT_DOWN", False):
-                want = impl.forward_tokens(x, ids, wts, w, cfg).clone()
-            with mock.patch.object(TE, "FLAT_DOWN", True):
-                got = impl.forward_tokens(x, ids, wts, w, cfg)
+            assert flat_impl.plan(w, T, K).stage("down").get("flat") is True
+            assert tiled_impl.plan(w, T, K).stage("down").get("flat") is False
+            want = tiled_impl.forward_tokens(x, ids, wts, w, cfg).clone()
+            with counted_launches("launch_down_tma") as n:
+                got = flat_impl.forward_tokens(x, ids, wts, w, cfg)
+            assert n["launch_down_tma"] == 1
             assert_bitwise_equal(got, want, what=f"{name} T={T} {tiles.down}: flat down vs tiled down")
-    impl = TE.TritonExperts(tile_config=tiled, tma=True)
+    flat_impl = impl(tiled, "tma_flat")
     x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
-    with mock.patch.object(TE, "FLAT_DOWN", True):
-        g, out = capture_cuda_graph(lambda: impl.forward_tokens(x, ids, wts, w, cfg))
+    g, out = capture_cuda_graph(lambda: flat_impl.forward_tokens(x, ids, wts, w, cfg))
     g.replay()
     first = out.clone()
     x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10, skew=True)
-    with mock.patch.object(TE, "FLAT_DOWN", False):
-        want1 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x, ids, wts, w, cfg).clone()
-        # a second instance (its own buffers) gives the tiled down's answer for the new routing
-        want2 = TE.TritonExperts(tile_config=tiled, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
+    want1 = impl(tiled, "tma").forward_tokens(x, ids, wts, w, cfg).clone()
+    # a second instance (its own buffers) gives the tiled down's answer for the new routing
+    want2 = impl(tiled, "tma").forward_tokens(x2, ids2, wts2, w, cfg).clone()
     assert_bitwise_equal(first, want1, what=f"{name}: flat down replayed from a CUDA graph")
     _replay_with(g, (x, ids, wts), (x2, ids2, wts2))
     assert_bitwise_equal(out, want2, what=f"{name}: flat down replayed from a CUDA graph with new routing")
     assert not torch.equal(first, want2)
-
-
-def _gluon_hopper() -> bool:
-    if not (HAS_CUDA and HAS_TRITON) or torch.cuda.get_device_capability()[0] < 9:
-        return False
-    from moeflow.experts.triton_ws import ws_device_ok
-
-    return ws_device_ok(torch.empty(1, device="cuda"))
-
-
-# (name, E, H, I, K, activations, layout, interleaved, bias): the TMA shapes, and gpt-oss (its Triton
-# kernels are the pointer ones; H = I = 2880 leaves a partial last column tile)
-WS_SHAPES = [(*s, ("silu", "swiglu_clamp"), "linear", False, False) for s in TMA_SHAPES] + [
-    ("gptoss", 8, 2880, 2880, 4, ("gptoss",), "matmul", True, True)]
-
-
-@gpu
-@needs_gpu
-@pytest.mark.skipif(not _gluon_hopper(), reason="the Gluon kernels need Hopper or newer and triton's Gluon")
-@pytest.mark.parametrize("shape", WS_SHAPES, ids=[s[0] for s in WS_SHAPES])
-def test_gpu_ws_kernels_equal_the_triton_kernels_bitwise(shape):
-    """The warp-specialised Gluon gate_up and down (experts.triton.WS_GATE_UP / WS_DOWN; moe_gemm_ws.py)
-    give the Triton kernels' bits, alone and together, cooperative (paced, the default, or not: WS_PACE) and ping-pong
-    (WS_COOP), persistent or one CTA a tile (triton_ws.WS_TILE_GRID): BM 128 and 64 tiles (the BM 64 plan's BK
-    128 gate_up runs BK 64 in Gluon: BK changes no bits), T = 1 / 300 (skewed: empty and half-empty
-    blocks) / 2500, each shape's activations (gpt-oss: matmul layout, interleaved, biases); they are taken
-    (launch counts); then a CUDA graph captured with both on (persistent, then a tile grid) replays with new
-    routing."""
-    import contextlib
-
-    import moeflow.experts.triton as TE
-    import moeflow.experts.triton_ws as TW
-    from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
-
-    name, E, H, I, K, acts, layout, interleaved, bias = shape
-    t128 = MoETileConfig(block_m=128, gate_up=GemmTile(block_n=128, block_k=64, num_warps=8, num_stages=3),
-                         down=GemmTile(block_n=256, block_k=64, num_warps=8, num_stages=3))
-    # (two stages for the BK 128 gate_up: three would take 240 KB of shared memory in the pointer kernel)
-    t64 = MoETileConfig(block_m=64, gate_up=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=2),
-                        down=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=3))
-    both = {"WS_DOWN": True, "WS_GATE_UP": True}
-
-    @contextlib.contextmanager
-    def flags_on(flags):
-        with contextlib.ExitStack() as stack:
-            for f, v in flags.items():
-                stack.enter_context(mock.patch.object(TW if f == "WS_TILE_GRID" else TE, f, v))
-            yield
-
-    for act in acts:
-        cfg, w = make_case(E, H, I, K, act, layout=layout, interleaved=interleaved, bias=bias, dtype=torch.bfloat16,
-                           device="cuda")
-        for tiles in (t128, t64):
-            impl = TE.TritonExperts(tile_config=tiles, tma=True)
-            for T in (1, 300, 2500):
-                x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
-                want = impl.forward_tokens(x, ids, wts, w, cfg).clone()
-                for flags in ({"WS_DOWN": True}, {"WS_GATE_UP": True}, both, {**both, "WS_COOP": False},
-                              {**both, "WS_PACE": False}, {**both, "WS_TILE_GRID": False},
-                              {**both, "WS_COOP": False, "WS_TILE_GRID": False}):
-                    with flags_on(flags), \
-                            mock.patch.object(TW, "launch_down_ws", wraps=TW.launch_down_ws) as dn, \
-                            mock.patch.object(TW, "launch_gate_up_ws", wraps=TW.launch_gate_up_ws) as gu:
-                        got = impl.forward_tokens(x, ids, wts, w, cfg)
-                    assert (dn.call_count, gu.call_count) == (int("WS_DOWN" in flags), int("WS_GATE_UP" in flags))
-                    # BM 128 plans run the cooperative schedule unless WS_COOP is off; WS_PACE paces it
-                    coop = tiles.block_m == 128 and flags.get("WS_COOP", True)
-                    assert dn.call_args.args[-2:] == (coop, coop and flags.get("WS_PACE", True)) \
-                        if dn.call_count else True
-                    # ... and none fell back (a tiling whose Gluon kernel did not compile runs the Triton ones)
-                    assert not [k for k in TE._TMA_REFUSED if k[0].startswith("ws_")], TE._TMA_REFUSED
-                    assert_bitwise_equal(got, want, what=f"{name} {act} BM {tiles.block_m} T={T} {sorted(flags)}")
-    impl = TE.TritonExperts(tile_config=t128, tma=True)
-    x2, ids2, wts2 = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=10, skew=True)
-    want2 = TE.TritonExperts(tile_config=t128, tma=True).forward_tokens(x2, ids2, wts2, w, cfg).clone()
-    for grid in (False, True):
-        # fresh inputs each pass: _replay_with below writes the second routing into them
-        x, ids, wts = make_tokens(700, H, E, K, torch.bfloat16, "cuda", seed=9)
-        want1 = TE.TritonExperts(tile_config=t128, tma=True).forward_tokens(x, ids, wts, w, cfg).clone()
-        with flags_on({**both, "WS_TILE_GRID": grid}):  # BM 128: the cooperative schedule
-            g, out = capture_cuda_graph(lambda x=x, ids=ids, wts=wts: impl.forward_tokens(x, ids, wts, w, cfg))
-        g.replay()
-        assert_bitwise_equal(out, want1, what=f"{name}: Gluon kernels (tile grid {grid}) replayed from a CUDA graph")
-        _replay_with(g, (x, ids, wts), (x2, ids2, wts2))
-        assert_bitwise_equal(out, want2, what=f"{name}: Gluon kernels (tile grid {grid}) replayed with new routing")
 
 
 @gpu
@@ -1360,8 +1210,7 @@ def test_gpu_cuda_graph_replay(T):
 
     E, H, I, K = 32, 256, 256, 4
     cfg, w = make_case(E, H, I, K, "silu", dtype=torch.bfloat16, device="cuda")
-    impl = TritonExperts(decode_max_pairs=E)
-    assert impl.uses_decode_path(T, K, E) == (T * K <= E)  # T = 1, 4: the two-launch decode path
+    impl = TritonExperts()
     x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=1)
     sx, sids, swts = x.clone(), ids.clone(), wts.clone()
     s = torch.cuda.Stream()
@@ -1389,21 +1238,47 @@ def test_gpu_cuda_graph_replay(T):
                          ids=[GPU_SHAPES[1][0], GPU_SHAPES[2][0], GPU_SHAPES[4][0]])
 def test_gpu_pdl_equals_stream_order_bitwise(shape):
     """Programmatic dependent launch (moeflow/kernels/pdl.py) changes when kernels start, never what they
-    compute: eager and graph-replayed outputs equal stream order's bits, both GEMM trigger modes, decode
-    and prefill T; TMA tiles (qwen3_like), pointer tiles with bias (gptoss_like), weight on input
-    (llama4_like)."""
-    import moeflow.kernels.pdl as P
+    compute: eager and graph-replayed outputs equal stream order's bits (KernelOptions(pdl=False)), both
+    GEMM trigger modes, decode and prefill T; TMA tiles (qwen3_like), pointer tiles with bias
+    (gptoss_like), weight on input (llama4_like)."""
     from moeflow.experts.triton import TritonExperts
-    from moeflow.testing import assert_pdl_matches_stream
 
     name, E, H, I, K, act, layout, il, bias, woi = shape
     cfg, w = make_case(E, H, I, K, act, layout, il, bias, dtype=torch.bfloat16, device="cuda", weight_on_input=woi)
-    assert P.pdl_for(torch.device("cuda")) == P.ENABLED, "PDL should be on for sm_90+ unless MOEFLOW_PDL=0"
-    impl = TritonExperts()
     for T in (1, 3, 700):
         x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T + 20)
-        assert_pdl_matches_stream(lambda v, ids=ids, wts=wts: impl.forward_tokens(v, ids, wts, w, cfg), x,
-                                  what=f"{name} T={T}")
+        check_pdl_matches_stream(lambda options: TritonExperts(options=options),
+                                 lambda impl, v, ids=ids, wts=wts: impl.forward_tokens(v, ids, wts, w, cfg),
+                                 lambda impl, T=T: impl.plan(w, T, K), x, what=f"{name} T={T}")
+
+
+def check_pdl_matches_stream(make_impl, forward, plan, x: torch.Tensor, *, what: str, replays: int = 3) -> None:
+    """forward(impl, x) gives the same bits with programmatic dependent launch as in plain stream order, for
+    each GEMM trigger mode (KernelRules.pdl_gemm_trigger): eager, and replayed back to back from a CUDA graph
+    captured with PDL (each replay's input changed in place: a kernel that starts early must still read this
+    replay's data). make_impl(KernelOptions) -> impl; plan(impl) -> the step's KernelPlan, which must say PDL
+    on (and off for the stream-order impl), so the comparison cannot pass by both sides running in stream
+    order. CUDA, sm_90 or newer."""
+    import moeflow.kernels.pdl as P
+    from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
+
+    for trigger, mode in (("early", P.EARLY), ("exit", P.AT_EXIT)):
+        where = f"{what} trigger={trigger}"
+        with kernel_rules(pdl_gemm_trigger=trigger):
+            pdl, stream = make_impl(KernelOptions()), make_impl(KernelOptions(pdl=False))
+            p, q = plan(pdl), plan(stream)
+            assert (p.pdl, p.pdl_gemm, q.pdl, q.pdl_gemm) == (True, mode, False, P.OFF), (where, p.explain())
+            ref = forward(stream, x)
+            assert_bitwise_equal(forward(pdl, x), ref, what=f"{where}: PDL eager")
+            sx = x.clone()
+            g, out = capture_cuda_graph(lambda sx=sx, pdl=pdl: forward(pdl, sx))
+            for rep in range(replays):
+                xr = x * (rep + 1)
+                sx.copy_(xr)
+                g.replay()
+                want = forward(stream, xr)
+                torch.cuda.synchronize()
+                assert_bitwise_equal(out, want, what=f"{where}: PDL graph replay {rep}")
 
 
 def _layer_or_fail():
@@ -1483,5 +1358,5 @@ def test_gpu_patch_model_greedy_tokens():
 
 if __name__ == "__main__":
     if len(sys.argv) != 2:
-        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton.py {align|families|modes|decode}")
+        raise SystemExit("usage: TRITON_INTERPRET=1 python tests/test_experts_triton.py {align|families|modes|tma|half}")
     _interp_main(sys.argv[1])

@@ -315,7 +315,12 @@ def test_pool_runs_with_the_resident_layers_tiles():
     assert run is not impl and run is tiled_as(impl, E), "one cached copy per (impl, E)"
     for T in (1, 2, 5, 8, 64):
         assert run.tile_config_for(p, K, T) == impl.tile_config_for(resident_w, K, T), f"T={T}"
-        assert run.uses_decode_path(T, K, tiling_experts(run, p)) == impl.uses_decode_path(T, K, E), f"T={T}"
+        # the same kernels and tiles as the resident layer's plan (its E; the pool's own E sizes the buffers)
+        pool, resident = run.plan(p, T, K), impl.plan(resident_w, T, K)
+        assert pool.shape.tiling_experts == resident.shape.num_experts == E != pool.shape.num_experts, f"T={T}"
+        assert (pool.path, pool.tiles) == (resident.path, resident.tiles), f"T={T}"
+        assert [(s.stage, s.variant, s.tile, s.params) for s in pool.stages] == \
+            [(s.stage, s.variant, s.tile, s.params) for s in resident.stages], f"T={T}"
     forced_cfg = MoETileConfig(block_m=16, gate_up=GemmTile(block_n=32, block_k=32, num_warps=4, num_stages=1),
                                down=GemmTile(block_n=32, block_k=32, num_warps=4, num_stages=1))
     forced = TritonExperts(tile_config=forced_cfg)

@@ -1,5 +1,7 @@
-"""benchmarks/tune_experts: refine_best (the stage-sum ranking's best few are re-timed whole) and bi_families
-(the batch-invariant families offered to verify_family): pure logic, CPU."""
+"""benchmarks/tune_experts: refine_best (the stage-sum ranking's best few are re-timed whole), bi_families
+(the batch-invariant families offered to verify_family), the kernel plan it times the stages of, and
+--write-rules: pure logic, CPU (the fake timers receive one TritonExperts per candidate: its tile_config is
+the candidate)."""
 
 import importlib.util
 import sys
@@ -12,6 +14,15 @@ sys.path.insert(0, str(ROOT))
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="refine_best imports moeflow.experts.triton")
+
+
+def _candidate(fn):
+    """The tile configuration a refine_best timing function runs (its impl, bound as the first default)."""
+    impl = fn.__defaults__[0]
+    import benchmarks.tune_experts as te
+
+    assert impl.options == te.OPTIONS, "refine_best times the kernels the run's KernelOptions choose"
+    return impl.tile_config
 
 
 @needs_triton
@@ -28,7 +39,7 @@ def test_refine_keeps_the_fastest_whole_step(monkeypatch):
     seen = []
 
     def fake_many(fns, reps, log):
-        cfgs = {k: fn.__defaults__[0] for k, fn in fns.items()}
+        cfgs = {k: _candidate(fn) for k, fn in fns.items()}
         seen.extend(cfgs.values())
         log(": cannot capture")
         return {k: whole[c_] for k, c_ in cfgs.items() if c_ != c}
@@ -59,7 +70,7 @@ def test_refine_times_half_tiles(monkeypatch):
     assert te.with_half([(1.0, a), (2.0, b)]) == [(1.0, a), (2.0, b), (1.0, ah)]
     assert te.with_half([(1.0, ah)]) == [(1.0, ah)]
     whole = {a: 9e-6, b: 9.5e-6, ah: 8e-6}
-    monkeypatch.setattr(te, "time_many", lambda fns, reps, log: {k: whole[fn.__defaults__[0]] for k, fn in fns.items()})
+    monkeypatch.setattr(te, "time_many", lambda fns, reps, log: {k: whole[_candidate(fn)] for k, fn in fns.items()})
     kw = dict(reps=2, log=lambda m: None, dtype=__import__("torch").float32)
     out = te.refine_best(te.shape_spec("tiny-silu"), {7: [(1e-6, a), (2e-6, b)]}, **kw)
     assert out[7][0] == ah and out[7][1] == 8e-6
@@ -69,9 +80,9 @@ def test_refine_times_half_tiles(monkeypatch):
 
 @needs_triton
 def test_refine_times_the_other_down_form(monkeypatch):
-    """with_flat adds each one-split candidate with the down GEMM form FLAT_DOWN's rule would not give
-    it (flat_down=True, or False where the rule runs it flat) on TMA shapes, none on interleaved / biased
-    ones; refine keeps the flat config when its whole step is fastest, and flat=False leaves it out."""
+    """with_flat adds each one-split candidate with the down GEMM form the plan's rule would not give it
+    (flat_down=True, or False where the rule runs it flat) on TMA shapes, none on interleaved / biased ones;
+    refine keeps the flat config when its whole step is fastest, and flat=False leaves it out."""
     import dataclasses
 
     import torch
@@ -93,7 +104,7 @@ def test_refine_times_the_other_down_form(monkeypatch):
     assert te.with_flat([(1.0, small)], te.shape_spec("tiny-gptoss")) == [(1.0, small)]  # interleaved, biased
     sf = dataclasses.replace(small, flat_down=True)
     whole = {small: 9e-6, sf: 8e-6}
-    monkeypatch.setattr(te, "time_many", lambda fns, reps, log: {k: whole[fn.__defaults__[0]] for k, fn in fns.items()})
+    monkeypatch.setattr(te, "time_many", lambda fns, reps, log: {k: whole[_candidate(fn)] for k, fn in fns.items()})
     monkeypatch.setattr(te, "tma_wanted", lambda dev: True)
     kw = dict(reps=2, log=lambda m: None, dtype=torch.float32, half=False)
     assert te.refine_best(lin, {7: [(1e-6, small)]}, **kw)[7][0] == sf
@@ -110,12 +121,12 @@ def test_merge_replace_bi():
 
     t = GemmTile(block_n=64, block_k=64)
     old_bi, new_bi = MoETileConfig(block_m=64, gate_up=t, down=t), MoETileConfig(block_m=128, gate_up=t, down=t)
-    old = {"configs": {1: old_bi}, "decode": {}, "batch_invariant": old_bi, "batch_invariant_by_T": {1: old_bi}}
-    _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, new_bi, {1: new_bi}, {})
+    old = {"configs": {1: old_bi}, "batch_invariant": old_bi, "batch_invariant_by_T": {1: old_bi}}
+    _, bi, by_t = te.merge_into(old, {8: new_bi}, new_bi, {1: new_bi})
     assert bi == old_bi and by_t == {1: old_bi}
-    _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, new_bi, {1: new_bi}, {}, replace_bi=True)
+    _, bi, by_t = te.merge_into(old, {8: new_bi}, new_bi, {1: new_bi}, replace_bi=True)
     assert bi == new_bi and by_t == {1: new_bi}
-    _, bi, by_t, _ = te.merge_into(old, {8: new_bi}, None, None, {}, replace_bi=True)
+    _, bi, by_t = te.merge_into(old, {8: new_bi}, None, None, replace_bi=True)
     assert bi == old_bi and by_t == {1: old_bi}  # nothing new: the old entries stay
 
 
@@ -177,3 +188,82 @@ def test_balanced_routing_gives_every_expert_the_same_rows():
         tune.routing(T, E, 20, "balanced", "cpu")
     with pytest.raises(ValueError, match="'uniform', 'zipf' or 'balanced'"):
         tune.routing(T, E, K, "skewed", "cpu")
+
+
+def test_the_tuners_flat_rule_is_the_plans():
+    """with_flat flips the down form the plan would run (`_flat_by_rule` mirrors the plan's rule,
+    KernelRules.flat_down_max_k_steps): for every one-split candidate of DOWN on an H100 at the standard
+    shapes' I, the tuner's call equals the variant the plan picks (pure Python)."""
+    import benchmarks.tune_experts as te
+    from moeflow.experts.plan import NAMED_DEVICES, StepShape, plan_step
+    from moeflow.tuning import MoETileConfig
+
+    h100 = NAMED_DEVICES["h100"]
+    checked = 0
+    for I in (768, 1024, 2048, 14336):
+        s = StepShape(fmt="plain", dtype="bfloat16", num_experts=8, tiling_experts=8, hidden_size=4096,
+                      intermediate_size=I, top_k=2, tokens=4096, pairs=8192)
+        for bm, tiles in te.DOWN.items():
+            for t in tiles:
+                for half in ((False, True) if bm >= 64 else (False,)):
+                    c = MoETileConfig(block_m=bm, gate_up=te.GATE_UP[bm][0], down=t, half_tail=half)
+                    down = plan_step(s, h100, tile_config=c).stage("down")
+                    if down.variant not in ("tma", "tma_flat"):
+                        continue  # a tile the TMA down cannot run: no flat form to flip
+                    assert te._flat_by_rule(c, I) == (down.variant == "tma_flat"), (I, c, down.why)
+                    checked += 1
+    assert checked > 50, checked
+
+
+@needs_triton
+def test_staged_plans_with_the_runs_options(monkeypatch):
+    """staged(): the plan of one step with the candidate's tiles and the run's KernelOptions (--tma / --no-tma),
+    and StepBuffers sized by it (E overridden for the alignment and combine of proxy weights); tma_wanted is
+    what that plan runs."""
+    import torch
+
+    import benchmarks.tune_experts as te
+    from moeflow.experts.options import KernelOptions
+    from moeflow.tuning import GemmTile, MoETileConfig
+
+    spec = te.shape_spec("tiny-silu")
+    w = te.make_weights(spec, "cpu", dtype=torch.float32, num_experts=2)
+    t = GemmTile(block_n=16, block_k=16, num_stages=1)
+    tc = MoETileConfig(block_m=16, gate_up=t, down=t)
+    x = torch.randn(3, spec["H"])
+    cpu = torch.device("cpu")
+    assert not te.tma_wanted(cpu)
+    plan, b = te.staged(w, x, 3, spec["K"], tc, cpu, num_experts=spec["E"])
+    assert plan.tiles == tc and plan.options == te.OPTIONS and plan.stage("gate_up").variant == "pointer"
+    assert b.E == spec["E"] and b.sorted_P.numel() == plan.padded and b.y_SNH.shape == (1, 3 * spec["K"], spec["H"])
+    monkeypatch.setattr(te, "OPTIONS", KernelOptions(tma=True))
+    assert te.tma_wanted(cpu)
+    plan, b2 = te.staged(w, x, 3, spec["K"], tc, cpu, buffers=b)
+    assert b2 is b and plan.stage("gate_up").variant == "tma" and plan.stage("down").variant == "tma"
+    assert not te.tma_wanted(cpu, KernelOptions(tma=False))
+
+
+def test_write_rules_updates_the_named_thresholds(tmp_path, monkeypatch, capsys):
+    """--write-rules NAME=VALUE,...: the named KernelRules fields change in rules.json, the others are kept; a
+    malformed item or an unknown name is refused (exit 2) and writes nothing."""
+    import json
+
+    import benchmarks.tune_experts as te
+    import moeflow.tuning.rules as R
+
+    path = tmp_path / "rules.json"
+    path.write_text(R.RULES_PATH.read_text())
+    monkeypatch.setattr(R, "RULES_PATH", path)
+    before = R.load_rules()
+    assert te.main(["--write-rules", "gather_x_min_pairs=4096,pdl_gemm_trigger=early"]) == 0
+    after = R.load_rules()
+    assert (after.gather_x_min_pairs, after.pdl_gemm_trigger) == (4096, "early")
+    assert after == __import__("dataclasses").replace(before, gather_x_min_pairs=4096, pdl_gemm_trigger="early")
+    assert json.loads(path.read_text())["gather_x_min_pairs"] == 4096
+    text = path.read_text()
+    assert te.write_rules_arg("gather_x_min_pairs") == 2
+    assert te.write_rules_arg("no_such_rule=3") == 2
+    assert te.write_rules_arg("pdl_gemm_trigger=late") == 2
+    assert path.read_text() == text
+    err = capsys.readouterr().err
+    assert "expected NAME=VALUE" in err and "no_such_rule" in err and "'late'" in err
