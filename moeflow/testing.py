@@ -81,39 +81,6 @@ def capture_cuda_graph(fn):
     return g, out
 
 
-def assert_pdl_matches_stream(forward, x: torch.Tensor, *, what: str, replays: int = 3,
-                              triggers: tuple[str, ...] = ("early", "exit")) -> None:
-    """forward(x) -> tensor gives the same bits with programmatic dependent launch (moeflow/kernels/pdl.py)
-    as in plain stream order, for each GEMM trigger mode in `triggers`: eager, and replayed back to back
-    from a CUDA graph captured with PDL (each replay's input changed in place: a kernel that starts early
-    must still read this replay's data). CUDA only; restores moeflow.kernels.pdl's ENABLED and
-    GEMM_TRIGGER."""
-    import moeflow.kernels.pdl as P
-
-    saved = P.ENABLED, P.GEMM_TRIGGER
-    try:
-        for trigger in triggers:
-            P.GEMM_TRIGGER = trigger
-            where = f"{what} trigger={trigger}"
-            P.ENABLED = False
-            ref = forward(x)
-            P.ENABLED = True
-            assert_bitwise_equal(forward(x), ref, what=f"{where}: PDL eager")
-            sx = x.clone()
-            g, out = capture_cuda_graph(lambda sx=sx: forward(sx))
-            for rep in range(replays):
-                xr = x * (rep + 1)
-                sx.copy_(xr)
-                g.replay()
-                P.ENABLED = False
-                want = forward(xr)
-                P.ENABLED = True
-                torch.cuda.synchronize()
-                assert_bitwise_equal(out, want, what=f"{where}: PDL graph replay {rep}")
-    finally:
-        P.ENABLED, P.GEMM_TRIGGER = saved
-
-
 def poisoned_like(t: torch.Tensor, pad_rows: int) -> torch.Tensor:
     """A copy of `t` [R, ...] followed by `pad_rows` NaN rows: padding a kernel must never read."""
     pad = torch.full((pad_rows, *t.shape[1:]), float("nan"), dtype=t.dtype, device=t.device)

@@ -316,14 +316,7 @@ def test_gemv_path_choice():
         impl.plan(dataclasses.replace(w4, gate_up=shifted), 1, 1).refused
 
 
-FORCED_FP4_TILES_BUG = (
-    "library: moeflow.experts.plan.plan_step with a caller's tile_config for an FP4 format refuses the GEMV path "
-    "('tiles forced by the caller') but then picks the 'w4_gemv' variants for gate_up and down on the aligned path "
-    "(their supports and rule hold at few pairs); their launchers then read the aligned path's buffers as GEMV "
-    "ones (inf / garbage output)")
 
-
-@pytest.mark.xfail(strict=True, reason=FORCED_FP4_TILES_BUG)
 def test_forced_tiles_run_the_fp4_mma_kernels():
     """A caller's tile_config sends an FP4 step down the aligned path at any pair count: its gate_up and down are
     the MMA-tile kernels ("w4_pointer"), never the GEMV ones (pure Python)."""
@@ -380,9 +373,8 @@ def _run_interp(check: str) -> None:
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton not installed (the interpreter comes with it)")
-@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes",
-                                   pytest.param("gemv", marks=pytest.mark.xfail(strict=True, reason=FORCED_FP4_TILES_BUG)),
-                                   "fp8_bi_tiles", "fp8_split", "fp8_tma"])
+@pytest.mark.parametrize("check", ["fp8", "fp8_stages", "fp4", "modes", "gemv", "fp8_bi_tiles", "fp8_split",
+                                   "fp8_tma"])
 def test_interpreter(check):
     _run_interp(check)
 
@@ -1019,7 +1011,6 @@ def test_gpu_pdl_equals_stream_order_bitwise(fmt):
 
 @gpu
 @needs_gpu
-@pytest.mark.xfail(strict=True, reason=FORCED_FP4_TILES_BUG)
 def test_gpu_gemv_path():
     check_gemv("cuda", torch.bfloat16, 1e-2)
 

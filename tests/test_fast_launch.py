@@ -205,13 +205,7 @@ LAUNCHED_KERNELS = {
                        "moe_down_w4_gemv_kernel"),
 }
 
-FAST_LAUNCH_OFF_BUG = (
-    "library: with KernelOptions(fast_launch=False) moeflow.experts.fused._k returns `kernel.fn`, which for a "
-    "plain @triton.jit kernel (moe_gemm_tma, moe_gemm_fp8_tma: not wrapped by fast_kernel) is the Python "
-    "function itself (not subscriptable: TypeError at launch)")
 
-
-@pytest.mark.xfail(strict=True, reason=FAST_LAUNCH_OFF_BUG)
 def test_fast_launch_off_hands_every_kernel_to_the_jit():
     """With KernelOptions(fast_launch=False) the launchers launch each kernel through Triton's JIT (a
     JITFunction, whose `[grid]` binds the arguments on every call), with the default through the kernel as
@@ -308,7 +302,6 @@ def check_impls_fast_launch_off(device: str) -> None:
             print(f"{what}: fast_launch=False, the same bits")
 
 
-@pytest.mark.xfail(strict=True, reason=FAST_LAUNCH_OFF_BUG)
 def test_impls_fast_launch_off_in_the_interpreter():
     from moeflow.testing import run_interpreter_check
 
@@ -317,7 +310,6 @@ def test_impls_fast_launch_off_in_the_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-@pytest.mark.xfail(strict=True, reason=FAST_LAUNCH_OFF_BUG)
 def test_gpu_impls_fast_launch_off():
     check_impls_fast_launch_off("cuda")
 

@@ -34,6 +34,7 @@ import torch
 
 from .._triton import triton_available
 from ..config import ExpertWeights, MoEConfig
+from ..kernels.launch import FastKernel
 from ..tuning import MoETileConfig
 from .base import check_token_devices, check_tokens, flat_pairs, tiling_experts
 from .devices import device_facts
@@ -351,8 +352,9 @@ def run_stage(plan: KernelPlan, stage: str, b: StepBuffers, w: ExpertWeights, co
 
 
 def _k(kernel, plan: KernelPlan):
-    """The kernel as this plan launches it: the fast launcher (moeflow.kernels.launch) or Triton's JIT."""
-    return kernel if plan.options.fast_launch else getattr(kernel, "fn", kernel)
+    """The kernel as this plan launches it: the fast launcher (moeflow.kernels.launch) or Triton's JIT (a kernel
+    not wrapped by fast_kernel is launched by the JIT either way)."""
+    return kernel.fn if not plan.options.fast_launch and isinstance(kernel, FastKernel) else kernel
 
 
 def _u8(t: torch.Tensor) -> torch.Tensor:
@@ -401,7 +403,7 @@ def combine_launch(y_SNH: torch.Tensor, wts_N: torch.Tensor | None, ids_N: torch
     bh = max(128, min(_COMBINE_BLOCK_H, 4096 // (K * S)))
     bh = 1 << (bh.bit_length() - 1)
     bh = min(bh, 1 << max(0, (H - 1).bit_length()))
-    kernel = moe_combine_kernel if fast else moe_combine_kernel.fn
+    kernel = moe_combine_kernel if fast or not isinstance(moe_combine_kernel, FastKernel) else moe_combine_kernel.fn
     kernel[(T, math.ceil(H / bh))](
         y_SNH, wts_N if wts_N is not None else ids_N, ids_N, out_TH, H, E, y_SNH.stride(0), y_SNH.stride(1),
         out_TH.stride(0), K=K, SPLIT=S, HAS_W=wts_N is not None, BLOCK_H=bh, num_warps=4, PDL=pdl, launch_pdl=pdl,
@@ -552,7 +554,8 @@ def fp8_quant_launch(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch.
     else:
         xq = torch.empty(M, H, dtype=torch.float8_e4m3fn, device=x_MH.device)
         xs = torch.empty(M, ng, dtype=torch.float32, device=x_MH.device)
-    kernel = fp8_quant_rows_kernel if fast else fp8_quant_rows_kernel.fn
+    kernel = (fp8_quant_rows_kernel if fast or not isinstance(fp8_quant_rows_kernel, FastKernel)
+              else fp8_quant_rows_kernel.fn)
     kernel[(M, -(-ng // groups_per_program))](
         x_MH, xq, xs, M, H, x_MH.stride(0), xq.stride(0), xs.stride(0), G=G, GPP=groups_per_program,
         num_warps=num_warps, PDL=pdl, launch_pdl=pdl)

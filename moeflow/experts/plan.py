@@ -167,7 +167,9 @@ class Variant:
     the @triton.jit (or Gluon) entry point(s); launch: the launcher, "module:function" under
     moeflow.experts (resolved at run time, so this registry imports no Triton); supports(ctx) -> (ok,
     reason); rule(ctx) -> (chosen, reason): the measured rule, passed over when pinned; params(ctx) ->
-    the launch choices a launcher reads (tuple of (name, value)); summary: one line for explain().
+    the launch choices a launcher reads (tuple of (name, value)); summary: one line for explain(); path:
+    the step's path the variant belongs to ("gemv": a path of its own, without alignment, chosen before
+    the stages; never a candidate on the aligned path).
     """
 
     name: str
@@ -177,6 +179,7 @@ class Variant:
     launch: str
     summary: str
     layouts: tuple[str, ...] = ("linear", "matmul")
+    path: str = "aligned"
     supports: Check = field(default=lambda ctx: (True, ""))
     rule: Check = field(default=lambda ctx: (True, ""))
     params: Callable[[Ctx], tuple] = field(default=lambda ctx: ())
@@ -442,7 +445,7 @@ VARIANTS: tuple[Variant, ...] = (
             params=lambda ctx: (("quant_out", _quant_out(ctx)),) + _fp8_params(ctx, ctx.tiles.gate_up)),
     Variant("w4_gemv", "gate_up", FP4, "moe_gemm_quant.moe_gate_up_w4_gemv_kernel", "fused:launch_gate_up_gemv",
             "GEMV: one program per (pair, BN outputs), each weight byte decoded once per pair",
-            supports=_gemv_supports, rule=_gemv_rule, params=_gemv_params),
+            path="gemv", supports=_gemv_supports, rule=_gemv_rule, params=_gemv_params),
     Variant("w4_pointer", "gate_up", FP4, "moe_gemm_quant.moe_gate_up_w4_kernel", "fused:launch_gate_up_w4",
             "MMA tiles, E2M1 decoded in the load path to the activations' dtype",
             params=lambda ctx: (("asm", _fp4_asm(ctx, ctx.tiles.gate_up.block_n * (2 if ctx.shape.interleaved
@@ -468,7 +471,7 @@ VARIANTS: tuple[Variant, ...] = (
             "pointer loads; split-K partials; every layout and bias",
             params=lambda ctx: _fp8_params(ctx, ctx.tiles.down)),
     Variant("w4_gemv", "down", FP4, "moe_gemm_quant.moe_down_w4_gemv_kernel", "fused:launch_down_gemv",
-            "GEMV: one program per (pair, BN outputs)", supports=_gemv_supports, rule=_gemv_rule,
+            "GEMV: one program per (pair, BN outputs)", path="gemv", supports=_gemv_supports, rule=_gemv_rule,
             params=_gemv_params),
     Variant("w4_pointer", "down", FP4, "moe_gemm_quant.moe_down_w4_kernel", "fused:launch_down_w4",
             "MMA tiles, E2M1 decoded in the load path; split-K partials",
@@ -605,13 +608,16 @@ def _pick(stage: str, ctx: Ctx, refused: list, compile_refused: Mapping[str, str
     """The stage's variant: the pinned one (checked), else the first that supports the step and whose rule
     holds; each variant passed over is recorded in `refused`."""
     s = ctx.shape
-    cands = [v for v in variants_for(stage, s.fmt) if s.layout in v.layouts]
+    cands = [v for v in variants_for(stage, s.fmt) if s.layout in v.layouts and v.path == "aligned"]
     pinned = ctx.options.pinned(stage)
     if pinned is not None:
         names = [v.name for v in variants_for(stage, s.fmt)]
         if pinned not in names:
             raise PlanError(f"KernelOptions.pin[{stage!r}]={pinned!r}: no such {s.fmt} variant (have {names})")
         v = next(v for v in variants_for(stage, s.fmt) if v.name == pinned)
+        if v.path != "aligned":
+            raise PlanError(f"KernelOptions.pin[{stage!r}]={pinned!r}: a {v.path} path variant, and this step runs "
+                            f"the aligned path (tiles forced by the caller, or the other stage pinned otherwise)")
         if s.layout not in v.layouts:
             raise PlanError(f"KernelOptions.pin[{stage!r}]={pinned!r}: does not run layout {s.layout!r}")
         ok, why = v.supports(ctx)

@@ -3,7 +3,7 @@
 Legend: T tokens, K slots per token, N = T*K pairs, H hidden, I intermediate per expert, E experts.
 
 One step is align -> gate_up (+ activation) -> down -> combine (moeflow.experts.fused); which kernel
-runs each stage, with which tile, is the KernelPlan's (`impl.plan(w, config, T).explain()`), from the
+runs each stage, with which tile, is the KernelPlan's (`impl.plan(w, T, K).explain()`), from the
 registry in moeflow.experts.plan, the tuned tables in moeflow.tuning (JSON written by
 benchmarks/tune_experts.py, nearest T) or their heuristics, and the measured rules
 (moeflow/tuning/rules.json). A caller chooses through `KernelOptions` (tma / pdl / pinned variants).

@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from .._triton import interpreted
-from .launch import fast_kernel
+from .launch import FastKernel, fast_kernel
 from .pdl import pdl_trigger, pdl_wait
 
 # The largest N done in one program, and the multi-kernel schedule's smallest chunk and most
@@ -298,7 +298,7 @@ def align_launch(ids_N, num_experts: int, block_m: int, sorted_P, block_expert_B
     import torch
 
     def k(kernel):
-        return kernel if fast else kernel.fn
+        return kernel.fn if not fast and isinstance(kernel, FastKernel) else kernel
 
     sort = not interpreted()
     n = ids_N.numel()
