@@ -17,6 +17,7 @@ Optional biases (gpt-oss): gate_up_bias [E, 2I], down_bias [E, H].
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
@@ -33,6 +34,12 @@ LAYOUTS: tuple[str, ...] = ("linear", "matmul")
 # Activations whose math reads `swiglu_limit`; the others refuse one so that a
 # clamp is never silently dropped.
 _CLAMPED = ("swiglu_clamp", "gptoss")
+
+
+def _finite_number(v: object) -> bool:
+    """v is an int or float (not a bool) and finite: inf passes every `> 0` test, and a clamp limit,
+    sigmoid slope or RMSNorm eps of inf turns a layer's outputs into inf or NaN."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _check_pos_int(owner: str, name: str, v: object) -> None:
@@ -92,9 +99,9 @@ class MoEConfig:
                 raise TypeError(f"MoEConfig.{name}={getattr(self, name)!r}: expected a bool")
         if self.activation in _CLAMPED:
             lim = self.swiglu_limit
-            if lim is None or isinstance(lim, bool) or not isinstance(lim, (int, float)) or not lim > 0:
+            if not _finite_number(lim) or not lim > 0:
                 raise ValueError(
-                    f"MoEConfig.swiglu_limit={lim!r}: activation {self.activation!r} needs a float > 0"
+                    f"MoEConfig.swiglu_limit={lim!r}: activation {self.activation!r} needs a finite float > 0"
                 )
         elif self.swiglu_limit is not None:
             raise ValueError(
@@ -102,11 +109,11 @@ class MoEConfig:
                 f"got activation={self.activation!r} (use 'swiglu_clamp' for a clamped SiLU)"
             )
         a = self.gptoss_alpha
-        if isinstance(a, bool) or not isinstance(a, (int, float)) or not a > 0:
-            raise ValueError(f"MoEConfig.gptoss_alpha={a!r}: expected a float > 0")
+        if not _finite_number(a) or not a > 0:
+            raise ValueError(f"MoEConfig.gptoss_alpha={a!r}: expected a finite float > 0")
         eps = self.router_prenorm_eps
-        if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps >= 0:
-            raise ValueError(f"MoEConfig.router_prenorm_eps={eps!r}: expected a float >= 0")
+        if not _finite_number(eps) or not eps >= 0:
+            raise ValueError(f"MoEConfig.router_prenorm_eps={eps!r}: expected a finite float >= 0")
 
     @property
     def num_experts(self) -> int:

@@ -110,6 +110,20 @@ def test_router_spec_stores_int_floats_as_float():
     assert s == RouterSpec(**_SPEC, scaling_factor=2.0)
 
 
+@pytest.mark.parametrize("field, value", [
+    ("swiglu_limit", math.inf), ("swiglu_limit", -math.inf), ("swiglu_limit", math.nan),
+    ("gptoss_alpha", math.inf), ("gptoss_alpha", math.nan),
+    ("router_prenorm_eps", math.inf), ("router_prenorm_eps", math.nan),
+])
+def test_moe_config_refuses_non_finite_floats(field, value):
+    from moeflow.config import MoEConfig
+
+    kw = dict(hidden_size=8, intermediate_size=4, router=RouterSpec(**_SPEC), activation="gptoss", swiglu_limit=7.0)
+    MoEConfig(**kw)  # the finite values are accepted
+    with pytest.raises(ValueError, match=f"MoEConfig.{field}={value!r}: .*finite"):
+        MoEConfig(**{**kw, field: value})
+
+
 # ---- D. hash tables: K distinct ids per row -----------------------------------------------------
 
 
