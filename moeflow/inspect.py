@@ -170,6 +170,7 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
     spec = router_spec_from_hf(config, moe_layers[0])
     E, K = spec.num_experts, spec.top_k
     expert_bytes = 0
+    all_experts = 0  # routed experts of every MoE layer: the most a cache shared by the layers can hold
     for layer in moe_layers:
         # The sizes below come from the stored expert count: a config that disagrees with the
         # tensors would print plausible, wrong numbers.
@@ -181,12 +182,17 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
             z = f" (+ {s.num_zero_experts} zero experts)" if s.num_zero_experts else ""
             raise ValueError(f"{root}: config.json says E={s.num_experts} routed experts{z}, but layer {layer}'s "
                              f"expert tensors store {bad[0]}")
+        all_experts += s.num_experts
         if layer == moe_layers[0]:
             expert_bytes = one_expert
     routed = sum(routed_by_layer.values())
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    if slots is not None and (not isinstance(slots, int) or slots < K):
-        raise ValueError(f"--slots={slots}: expected an int >= K={K} (one token's experts of one layer)")
+    if slots is not None and (not isinstance(slots, int) or isinstance(slots, bool) or not K <= slots <= all_experts):
+        # the cache is shared by the layers: beyond every routed expert of every layer a slot holds
+        # nothing, and the bytes printed would exceed the resident model's
+        raise ValueError(f"--slots={slots}: expected an int in [K={K}, {all_experts}] (K: one token's experts of one "
+                         f"layer; {all_experts}: the routed experts of all {len(moe_layers)} MoE layers, which a "
+                         f"cache of that many slots holds whole)")
     return CheckpointInfo(
         path=str(root),
         family=family,

@@ -224,6 +224,19 @@ def test_info_sizes_hold_for_longcat_zero_expert_rows(tiny_checkpoint):
     assert info.num_experts == 6 and info.expert_bytes > 0
 
 
+def test_info_slots_beyond_every_routed_expert_are_refused():
+    """A cache of more slots than the model has routed experts would print more bytes than resident."""
+    from moeflow.demo import EMBEDDED_MODEL
+    from moeflow.inspect import checkpoint_info
+
+    info = checkpoint_info(EMBEDDED_MODEL, slots=32)  # 4 MoE layers x 8 experts: every expert cached
+    assert info.offload_bytes == info.total_bytes
+    assert checkpoint_info(EMBEDDED_MODEL, slots=2).offload_bytes < info.total_bytes
+    for bad in (33, 1, True):
+        with pytest.raises(ValueError, match=rf"--slots={bad}: expected an int in \[K=2, 32\]"):
+            checkpoint_info(EMBEDDED_MODEL, slots=bad)
+
+
 # ---- D. OffloadConfig: Path checkpoints, CUDA without CUDA --------------------------------------
 
 
