@@ -261,7 +261,7 @@ class AllReduceDispatcher:
             else xd
         mine = torch.cat([torch.stack([torch.tensor(float(T), dtype=torch.float64, device=xd.device), xd.sum(),
                                        (xd * pos).sum()]).to(dev),
-                          step.header_tensor(dev, status, detail).to(torch.float64)])
+                          step.header_tensor(dev, status, detail, dtype=torch.float64)])
         got = [torch.empty_like(mine) for _ in range(self.world_size)]
         collective("all_gather(all_reduce input check)", dist.all_gather, got, mine, group=self.group,
                    timeout_s=self.timeout_s)
@@ -275,11 +275,11 @@ class AllReduceDispatcher:
         step.started = True
         step.finish = None  # until the headers are read, what is owed is unknown
         # The check's one host read; the group's unread verdict (if any) comes with it.
-        dev = got[0].device
-        host = torch.cat([torch.stack(got).view(-1), step.pending_tensor(dev).to(torch.float64)]).tolist()
+        pending = step.pending_tensor(got[0].device, torch.float64)
+        host = torch.cat(got + ([] if pending is None else [pending])).tolist()
         C = 3 + HEADER_LEN
         rows = [host[i * C: (i + 1) * C] for i in range(self.world_size)]
-        step.check([[int(v) for v in r[3:]] for r in rows], pending=int(host[-1]))
+        step.check([[int(v) for v in r[3:]] for r in rows], pending=None if pending is None else int(host[-1]))
         step.finish = lambda status, detail: self._owed_reduce(step, x_TH, status, detail)
         rows = [r[:3] for r in rows]
         if any(r != rows[0] for r in rows):

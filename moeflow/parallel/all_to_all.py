@@ -95,11 +95,6 @@ def _read_header(b_RB: torch.Tensor) -> torch.Tensor:
     return b_RB[:, :HEADER_BYTES].contiguous().view(torch.int64)
 
 
-def _header_block(hdr: torch.Tensor, rows: int, H: int, dtype: torch.dtype) -> torch.Tensor:
-    """[rows, H] of `dtype` whose first HEADER_BYTES bytes are `hdr` (int64 [HEADER_LEN]), the rest 0."""
-    nbytes = rows * H * torch.empty((), dtype=dtype).element_size()
-    pad = torch.zeros(nbytes - HEADER_BYTES, dtype=torch.uint8, device=hdr.device)
-    return torch.cat([hdr.view(torch.uint8), pad]).view(dtype).view(rows, H)
 
 
 @dataclass(frozen=True, eq=False)
@@ -472,13 +467,15 @@ class AllToAllDispatcher:
         step.finish = None  # until the counts are read, what is owed is unknown
         # The one host read of the dynamic mode: variable splits need Python ints. The headers
         # (and the group's unread verdict, if any) come with it.
-        host = torch.cat([counts_WC[:, :2].reshape(-1), recv_counts_WC.reshape(-1),
-                          step.pending_tensor(device)]).tolist()
+        pending = step.pending_tensor(device)
+        parts = [counts_WC.view(-1), recv_counts_WC.view(-1)] + ([] if pending is None else [pending])
+        host = torch.cat(parts).tolist()
         C = 2 + HEADER_LEN
-        recv_rows = [host[2 * W + C * r: 2 * W + C * (r + 1)] for r in range(W)]
-        step.check([row[2:] for row in recv_rows], pending=int(host[-1]))
-        send_tok = tuple(int(host[2 * r]) for r in range(W))
-        send_pair = tuple(int(host[2 * r + 1]) for r in range(W))
+        rows = [host[C * r: C * (r + 1)] for r in range(2 * W)]
+        send_rows, recv_rows = rows[:W], rows[W:]
+        step.check([row[2:] for row in recv_rows], pending=None if pending is None else int(host[-1]))
+        send_tok = tuple(int(row[0]) for row in send_rows)
+        send_pair = tuple(int(row[1]) for row in send_rows)
         recv_tok = tuple(int(row[0]) for row in recv_rows)
         recv_pair = tuple(int(row[1]) for row in recv_rows)
         row_bytes = H * x_TH.element_size() + 4 * (1 + 2 * K)
@@ -492,7 +489,7 @@ class AllToAllDispatcher:
 
         def owed_combine(status: int, detail: int) -> bool:
             y = x_TH.new_zeros((sum(recv_pair), H))
-            self._combine_exchange(y, step.header_tensor(device, status, detail), send_pair, recv_pair)
+            self._combine_exchange(step, y, step.header_tensor(device, status, detail), send_pair, recv_pair)
             return step.read_now(device)
 
         step.finish = owed_dispatch
@@ -547,7 +544,7 @@ class AllToAllDispatcher:
             header=hdr,
         )
 
-    def _combine_exchange(self, y_NH: torch.Tensor, hdr: torch.Tensor, send_pair, recv_pair
+    def _combine_exchange(self, step: EPStep, y_NH: torch.Tensor, hdr: torch.Tensor, send_pair, recv_pair
                           ) -> tuple[torch.Tensor, int]:
         """The dynamic combine all_to_all: hr header rows before each destination's rows.
 
@@ -556,14 +553,19 @@ class AllToAllDispatcher:
         hr header rows then its send_pair[p] rows; hr).
         """
         W, H = self.world_size, int(y_NH.shape[1])
-        hr = _header_rows(H * y_NH.element_size())
-        block = _header_block(hdr, hr, H, y_NH.dtype)
+        row_bytes = H * y_NH.element_size()
+        hr = _header_rows(row_bytes)
+        # One copy builds the wire, in bytes: per destination its header (padded to hr rows by
+        # cached zeros), then its rows.
+        hdr_b, pad = hdr.view(torch.uint8), step.zero_pad(hdr.device, hr * row_bytes - HEADER_BYTES)
+        y_b = y_NH.view(torch.uint8).view(-1)
         pieces, off = [], 0
         for n in recv_pair:
-            pieces += [block, y_NH[off: off + n]]
+            pieces += [hdr_b, pad, y_b[off * row_bytes: (off + n) * row_bytes]]
             off += n
+        wire = torch.cat(pieces).view(y_NH.dtype).view(-1, H)
         back = y_NH.new_empty((sum(send_pair) + W * hr, H))
-        self._a2a("all_to_all_single(combine)", back, torch.cat(pieces), [n + hr for n in send_pair],
+        self._a2a("all_to_all_single(combine)", back, wire, [n + hr for n in send_pair],
                   [n + hr for n in recv_pair])
         return back, hr
 
@@ -572,7 +574,8 @@ class AllToAllDispatcher:
         if y_NH.dim() != 2 or y_NH.shape[0] != n_recv or y_NH.shape[1] != h.hidden_size:
             raise ValueError(f"y_NH: shape {tuple(y_NH.shape)}, expected [{n_recv}, {h.hidden_size}] (handle's rows)")
         step, W = h.step, self.world_size
-        back, hr = self._combine_exchange(y_NH.contiguous(), h.header, h.send_pair_splits, h.recv_pair_splits)
+        back, hr = self._combine_exchange(step, y_NH.contiguous(), h.header, h.send_pair_splits,
+                                          h.recv_pair_splits)
         step.finish = owes_nothing
         T, K, H = h.num_tokens, h.plan.top_k, h.hidden_size
         # One scatter, as without headers: each pair's row to its (token, slot), the header

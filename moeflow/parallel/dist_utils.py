@@ -445,20 +445,30 @@ class EPStep:
         """The header this rank sends: [magic, step, layer, status, detail]."""
         return [STEP_MAGIC, self.index, self.layer, status, detail]
 
-    def header_tensor(self, device: torch.device, status: int = STATUS_OK, detail: int = 0) -> torch.Tensor:
-        """int64 [HEADER_LEN] on `device`. On CUDA, an OK header is one kernel from cached constants
-        (no host-to-device copy, which would sync the stream; capturable, the step baked in)."""
+    def header_tensor(self, device: torch.device, status: int = STATUS_OK, detail: int = 0,
+                      dtype: torch.dtype = torch.int64) -> torch.Tensor:
+        """[HEADER_LEN] of `dtype` (int64, or float64 where it rides with floats) on `device`. On
+        CUDA, an OK header is one kernel from cached constants (no host-to-device copy, which
+        would sync the stream; capturable, the step baked in)."""
         if device.type != "cuda" or status != STATUS_OK:
-            return torch.tensor(self.header(status, detail), dtype=torch.int64, device=device)
+            return torch.tensor(self.header(status, detail), dtype=dtype, device=device)
         consts = self._st.consts
-        base = consts.get(("hdr", device, self.layer))
+        base = consts.get(("hdr", device, dtype, self.layer))
         if base is None:
-            base = consts[("hdr", device, self.layer)] = torch.tensor(
-                [STEP_MAGIC, 0, self.layer, STATUS_OK, 0], dtype=torch.int64, device=device)
-        unit = consts.get(("unit", device))
+            base = consts[("hdr", device, dtype, self.layer)] = torch.tensor(
+                [STEP_MAGIC, 0, self.layer, STATUS_OK, 0], dtype=dtype, device=device)
+        unit = consts.get(("unit", device, dtype))
         if unit is None:
-            unit = consts[("unit", device)] = torch.tensor([0, 1, 0, 0, 0], dtype=torch.int64, device=device)
+            unit = consts[("unit", device, dtype)] = torch.tensor([0, 1, 0, 0, 0], dtype=dtype, device=device)
         return torch.add(base, unit, alpha=self.index)
+
+    def zero_pad(self, device: torch.device, nbytes: int) -> torch.Tensor:
+        """uint8 [nbytes] of zeros on `device`, cached (what pads a header to whole rows)."""
+        key = ("pad", device, nbytes)
+        pad = self._st.consts.get(key)
+        if pad is None:
+            pad = self._st.consts[key] = torch.zeros(nbytes, dtype=torch.uint8, device=device)
+        return pad
 
     def sum_header(self, status: int = STATUS_OK, detail: int = 0) -> list[int]:
         """This rank's SUM_HEADER_LEN digits for a summing collective."""
@@ -527,12 +537,13 @@ class EPStep:
             return True
         return self.timeout_s is not None and not _capturing()
 
-    def pending_tensor(self, device: torch.device) -> torch.Tensor:
-        """int64 [1]: 1 when an earlier, unread verdict of the group failed, to read with this step's header."""
+    def pending_tensor(self, device: torch.device, dtype: torch.dtype = torch.int64) -> torch.Tensor | None:
+        """[1] of `dtype`: 1 when an earlier, unread device verdict of the group failed, to read with
+        this step's headers; None when there is none to read."""
         flag = self._st.pending_dev
         if flag is None:
-            return torch.zeros(1, dtype=torch.int64, device=device)
-        return flag.to(device=device, dtype=torch.int64).view(1)
+            return None
+        return flag.to(device=device, dtype=dtype).view(1)
 
     # -- verdicts
 
@@ -587,9 +598,10 @@ class EPStep:
         """bool device scalar: some received header ([..., n]) differs from `sent` ([n]: this
         rank's OK header, as int64 or as its bytes, or the OK digits of a summing collective).
         No host read; see `defer`."""
+        if len(received) == 1:
+            return received[0].ne(sent).any()
         n = int(sent.numel())
-        got = torch.cat([h.reshape(-1, n) for h in received]) if len(received) > 1 else received[0].reshape(-1, n)
-        return got.ne(sent).any()
+        return torch.cat([h.reshape(-1, n) for h in received]).ne(sent).any()
 
     def defer(self, bad: torch.Tensor) -> None:
         """Remember a device verdict for the group's next host read (not under CUDA-graph capture,
