@@ -1,21 +1,24 @@
 """The `moeflow` command: demo, info, route, bench, trace.
 
 A user's mistake (a missing or malformed config.json, an unsupported family, a
-CUDA-only option on CPU, an empty prompt, a corrupt trace) prints exactly two lines
-on stderr and exits 2:
+CUDA-only option on CPU, an empty prompt, a corrupt trace, an output path that would
+replace someone's file) prints exactly one line on stderr and exits 2:
 
-    moeflow COMMAND: error: WHAT WENT WRONG (one line: the field, its value, what was expected)
-      hint: WHAT TO DO
+    moeflow COMMAND: error: WHAT WENT WRONG (the field, its value, what was expected)[; hint: WHAT TO DO]
 
-`--debug` (anywhere on the line) shows the traceback instead. Every subcommand,
-including `trace record` and `bench routing` (the benchmark script's own options),
-has `--help`; `moeflow --version` prints the version.
+(the hint where there is one beyond the message). `--debug` (anywhere on the line) shows
+the traceback instead. Every subcommand, including `trace record` and `bench routing` (the
+benchmark script's own options), has `--help`; `moeflow --version` prints the version.
+
+Files: every output path is checked before the work (`moeflow.paths`): an existing file is
+replaced only when moeflow wrote it, or with `--force`; an input never.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 
@@ -117,7 +120,7 @@ def _cmd_bench(args: argparse.Namespace, rest: list[str]) -> int:
         sys.argv[0] = argv0
     if args.plot:
         for path in sorted(p for p, t in _json_mtimes(dirs).items() if before.get(p) != t):
-            print(f"plot: {_plot_bench_json(path)}")
+            print(f"plot: {_plot_bench_json(path, force=args.force)}")
     return rc
 
 
@@ -143,17 +146,22 @@ def _json_mtimes(dirs: list[str]) -> dict[str, float]:
     return found
 
 
-def _plot_bench_json(path: str) -> str:
-    """A PNG beside a benchmark JSON ({meta, rows}): roof_frac against T, else time against T."""
+def _plot_bench_json(path: str, *, force: bool = False) -> str:
+    """A PNG beside a benchmark JSON ({meta, rows}): roof_frac against T, else time against T.
+
+    The PNG replaces an earlier one only when moeflow wrote it (or with --force).
+    """
     import json
 
     from . import plots
+    from .paths import check_output_file
 
     with open(path) as f:
         data = json.load(f)
     rows = data.get("rows", []) if isinstance(data, dict) else []
-    metric = "roof_frac" if any(r.get("roof_frac") is not None for r in rows) else "us"
-    out = path[: -len(".json")] + f"_{metric}.png"
+    metric = "roof_frac" if any(isinstance(r, dict) and r.get("roof_frac") is not None for r in rows) else "us"
+    out = check_output_file(path[: -len(".json")] + f"_{metric}.png", "--plot", inputs=[("JSON", path)],
+                            ours=plots.is_moeflow_png, force=force)
     plots.plot_vs_tokens(rows, out, metric=metric)
     return out
 
@@ -207,7 +215,8 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("-h", "--help", action="store_true",
                    help="show this help (after WHICH: the benchmark script's own options)")
     b.add_argument("which", nargs="?", choices=sorted(_BENCH_MODULES))
-    b.add_argument("--plot", action="store_true", help="also write PNG plots")
+    b.add_argument("--plot", action="store_true", help="also write PNG plots (beside each JSON the script wrote)")
+    b.add_argument("--force", action="store_true", help="with --plot: replace a PNG that moeflow did not write")
     b.set_defaults(func=_cmd_bench, takes_rest=True, parser=b)
 
     add_trace_parser(sub)
@@ -235,9 +244,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except (UserError, *_USER_ERRORS) as exc:
         if debug:
             raise
-        hint = getattr(exc, "hint", "") or _hint_for(exc, command)
-        print(f"moeflow {command}: error: {_one_line(exc)}", file=sys.stderr)
-        print(f"  hint: {_one_line(hint)}", file=sys.stderr)
+        hint = getattr(exc, "hint", "") or _hint_for(exc)
+        print(f"moeflow {command}: error: {_one_line(exc)}" + (f"; hint: {_one_line(hint)}" if hint else ""),
+              file=sys.stderr)
         return 2
 
 
@@ -247,19 +256,22 @@ def _one_line(exc: BaseException | str) -> str:
     return " ".join(text.split())
 
 
-def _hint_for(exc: BaseException, command: str) -> str:
+def _hint_for(exc: BaseException) -> str:
+    """What to do, where the message alone does not say it; "" when it does."""
+    from .paths import PathError
+
+    if isinstance(exc, PathError):  # names the option, the path and what to do
+        return ""
     text = str(exc)
-    if text.startswith("--"):  # the message names one of the command's options
-        return f"see `moeflow {command} --help` for what each option takes"
     if "config.json" in text or "safetensors" in text or "pytorch_model.bin" in text:
         return "point PATH at a Hugging Face checkpoint directory (it holds config.json and *.safetensors)"
     if "not a supported MoE family" in text:
         return "moeflow handles the MoE families listed above; dense models need no moeflow"
-    if "CUDA" in text or "cuda" in text:
+    if re.search(r"CUDA is not available|needs CUDA|requires CUDA|needs a CUDA", text):
         return "this option needs a GPU; drop it or run on a machine with CUDA"
-    if "trace" in text:
+    if "trace header" in text:
         return "record a trace with `moeflow trace record MODEL_DIR --out t.jsonl`, then pass that file"
-    return "run with --debug for the traceback"
+    return ""
 
 
 if __name__ == "__main__":

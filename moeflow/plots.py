@@ -3,12 +3,48 @@
 - `plot_expert_load(load_LE, path)`: heatmap, layer x expert token counts.
 - `plot_hit_rate(series, path)`: cache hit rate over decode steps, one line per policy.
 - `plot_roof_frac(rows, path)`: roof_frac against T per shape/implementation.
+
+Every PNG carries a `moeflow` text chunk (`is_moeflow_png` reads it back), so a command may
+replace a plot it wrote before and refuse to replace anyone else's file. The directory of
+`path` must exist (nothing is created on the way).
 """
 
 from __future__ import annotations
 
+import os
+import struct
 from collections.abc import Mapping, Sequence
 from pathlib import Path
+
+_PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+_MARK = "moeflow"  # the PNG text chunk's keyword
+
+
+def is_moeflow_png(path: str | os.PathLike) -> bool:
+    """True when `path` is a PNG whose text chunks (before the image data) include moeflow's mark."""
+    try:
+        with open(path, "rb") as f:
+            if f.read(8) != _PNG_SIGNATURE:
+                return False
+            for _ in range(64):  # matplotlib writes a handful of chunks before the image data
+                head = f.read(8)
+                if len(head) < 8:
+                    return False
+                length, kind = struct.unpack(">I4s", head)
+                if kind in (b"IDAT", b"IEND") or length > 1 << 20:
+                    return False
+                data = f.read(length)
+                f.seek(4, os.SEEK_CUR)  # the chunk's CRC
+                if kind in (b"tEXt", b"iTXt", b"zTXt") and data.split(b"\0", 1)[0] == _MARK.encode():
+                    return True
+    except OSError:
+        return False
+    return False
+
+
+def require_matplotlib() -> None:
+    """ValueError (with the pip command) when matplotlib is not installed; call it before the work."""
+    _pyplot()
 
 
 def _pyplot():
@@ -34,7 +70,7 @@ def plot_expert_load(load_LE: Sequence[Sequence[float]], path: str | Path, *, ti
     ax.set_ylabel("layer")
     ax.set_title(title)
     fig.colorbar(im, ax=ax, label="tokens")
-    return _save(fig, plt, path)
+    return _save(fig, plt, path, kind="expert_load")
 
 
 def plot_hit_rate(series: Mapping[str, Sequence[float]], path: str | Path, *, window: int = 16) -> Path:
@@ -52,7 +88,7 @@ def plot_hit_rate(series: Mapping[str, Sequence[float]], path: str | Path, *, wi
     ax.set_ylim(0, 1.02)
     ax.legend()
     ax.grid(alpha=0.3)
-    return _save(fig, plt, path)
+    return _save(fig, plt, path, kind="hit_rate")
 
 
 def plot_roof_frac(rows: Sequence[Mapping], path: str | Path, *, key: str = "impl") -> Path:
@@ -85,13 +121,13 @@ def plot_vs_tokens(rows: Sequence[Mapping], path: str | Path, *, metric: str, ke
         ax.set_yscale("log")
     ax.legend(fontsize=7)
     ax.grid(alpha=0.3)
-    return _save(fig, plt, path)
+    return _save(fig, plt, path, kind=metric)
 
 
-def _save(fig, plt, path: str | Path) -> Path:
+def _save(fig, plt, path: str | Path, *, kind: str = "plot", tight: bool = True) -> Path:
     p = Path(path)
-    p.parent.mkdir(parents=True, exist_ok=True)
-    fig.tight_layout()
-    fig.savefig(p, dpi=110)
+    if tight:
+        fig.tight_layout()
+    fig.savefig(p, dpi=110, metadata={_MARK: kind})
     plt.close(fig)
     return p

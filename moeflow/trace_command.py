@@ -12,8 +12,14 @@ cache by default: each recorded token is its own pass (`Trace.as_decode`; a caus
 routes a token the same way prefilled or decoded). `--prefill` replays the recorded
 forward passes as they ran instead, where one step can touch every expert of a layer.
 
+Every path is checked before any work (`moeflow.paths`): a trace or `--text` must be a
+regular file; `--out` / `--json` / the PNGs of `plot` must not be an input (nor a file of
+the checkpoint directory) and replace an existing file only when moeflow wrote it, or with
+`--force`; their directory must exist. Every replay a command will run is checked
+(`check_replay`) before the first one runs.
+
 Errors (a directory or a corrupt trace, an impossible `--slots`) raise ValueError /
-OSError, which `moeflow.cli.main` prints as one line and a hint, exit code 2.
+OSError, which `moeflow.cli.main` prints as one line, exit code 2.
 
 `moeflow.cli` adds the subcommand to the `moeflow` parser (`add_trace_parser`);
 `python -m moeflow.cli_trace ACTION ...` runs it as a program of its own.
@@ -27,6 +33,8 @@ import os
 from collections import Counter
 from collections.abc import Iterable
 from pathlib import Path
+
+from .paths import check_input_file, check_output_dir, check_output_file
 
 DEFAULT_TOKENS = 2048
 # Forward-pass length of a recording: the embedded model's training context.
@@ -78,17 +86,51 @@ def _load(args: argparse.Namespace):
     return trace if args.prefill else trace.as_decode()
 
 
+def _progress(iterable, *, total: int, desc: str, unit: str, delay: float = 1.0):
+    """A tqdm bar on stderr over `iterable` (shown once the work has taken `delay` seconds)."""
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, total=total, desc=desc, unit=unit, leave=False, delay=delay)
+
+
+_REPLAY_ROW_KEYS = frozenset({"policy", "slots", "prefetch", "hits", "misses", "bytes_copied"})
+
+
+def _is_replay_json(path: str) -> bool:
+    """True for a JSON file of replay rows, as `trace replay --json` writes it."""
+    try:
+        if os.path.getsize(path) > 64 << 20:
+            return False
+        with open(path, "rb") as f:
+            rows = json.loads(f.read())
+    except (OSError, ValueError, RecursionError):
+        return False
+    return isinstance(rows, list) and all(isinstance(r, dict) and _REPLAY_ROW_KEYS <= r.keys() for r in rows)
+
+
+def _replays(trace, args: argparse.Namespace, slots_list: list[int], predict_width: int | None = None) -> list:
+    """The (slots, policy, prefetch) runs asked for, each checked before any runs; ValueError when there are none."""
+    from .offload.trace import check_replay
+
+    runs = [(slots, policy, pf) for slots in slots_list for policy in args.policy for pf in args.prefetch
+            if not (policy == "belady" and pf)]
+    if not runs:
+        raise ValueError(f"--policy {' '.join(args.policy)} --prefetch {' '.join(map(str, args.prefetch))}: no replay "
+                         f"to run (belady never prefetches); expected another policy or --prefetch 0")
+    for slots, policy, pf in runs:
+        check_replay(trace, slots, policy, pf, predict_width=predict_width)
+    return runs
+
+
 def _cmd_replay(args: argparse.Namespace) -> int:
     from .offload.trace import replay
 
+    if args.json:
+        check_output_file(args.json, "--json", inputs=[("trace", args.path)], ours=_is_replay_json, force=args.force)
     trace = _load(args)
-    rows = []
-    for slots in args.slots:
-        for policy in args.policy:
-            for pf in args.prefetch:
-                if policy == "belady" and pf:
-                    continue
-                rows.append(replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width))
+    runs = _replays(trace, args, args.slots, args.predict_width)
+    rows = [replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width)
+            for slots, policy, pf in _progress(runs, total=len(runs), desc="replay", unit="run")]
     # the references of the bytes ratios: plain LRU and Belady (the floor) at each cache size,
     # replayed when not asked for
     lru_bytes = {r.slots: r.bytes_copied for r in rows if r.policy == "lru" and r.prefetch == 0}
@@ -111,6 +153,14 @@ def _cmd_replay(args: argparse.Namespace) -> int:
     return 0
 
 
+def _human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .offload.trace import Trace, trace_stats
 
@@ -123,26 +173,41 @@ def _positive(name: str, v: int) -> None:
         raise ValueError(f"{name}={v}: expected an int >= 1")
 
 
+def _stored_as(info, text_cfg) -> str:
+    """The experts' stored format in words: the quantized format, else the config's dtype."""
+    if info.quant:
+        return info.quant.split(":")[0]
+    dtype = getattr(text_cfg, "dtype", None) or getattr(text_cfg, "torch_dtype", None)
+    return str(dtype).removeprefix("torch.") if dtype is not None else "the checkpoint's dtype"
+
+
 def _cmd_record(args: argparse.Namespace) -> int:
-    import torch
-    from transformers import AutoModelForCausalLM
+    from .offload.trace import is_trace_file, prediction_width
 
-    from .hf import patch_model
-    from .inspect import check_context, checkpoint_info, encode_prompt, load_config
-    from .offload.trace import record_trace
-
-    _positive("--tokens", args.tokens)
+    if args.tokens is not None:
+        _positive("--tokens", args.tokens)
     _positive("--ctx", args.ctx)
     if args.width is not None:
         _positive("--width", args.width)
+    check_output_file(args.out, "--out", inputs=[("MODEL", args.model), ("--text", args.text)], ours=is_trace_file,
+                      force=args.force)
+    if args.text is not None:
+        check_input_file(args.text, "--text")
+
+    from .inspect import check_context, checkpoint_info, encode_prompt, load_config
+
     root = Path(args.model)
     info = checkpoint_info(root)  # config.json, family, weights, expert counts: refused before loading anything
+    width = prediction_width(args.width, [info.top_k], [info.num_experts])
+    tokens = DEFAULT_TOKENS if args.tokens is None else args.tokens
+    whole_text = True  # the text holds everything there is to record
     if args.text is not None:
         data, source = Path(args.text).read_bytes(), {"text_file": args.text}
     elif args.prompt is not None:
         data, source = args.prompt.encode("utf-8"), {"prompt": args.prompt}
     else:
-        data, files = default_text(args.tokens * 4)  # >= 1 byte per token for any tokenizer
+        data, files = default_text(tokens * 4)  # >= 1 byte per token for any tokenizer
+        whole_text = len(data) < tokens * 4
         source = {"text": "moeflow package sources", "files": files}
     text_cfg = load_config(root).get_text_config()
     # each forward pass is one sequence of <= ctx tokens
@@ -151,43 +216,66 @@ def _cmd_record(args: argparse.Namespace) -> int:
     if ids.numel() == 0:
         raise ValueError("the text to record is empty: expected at least one token (--prompt / --text)")
     n_text = ids.numel()
-    ids = ids[: args.tokens]
+    if args.tokens is not None and n_text < tokens and whole_text:
+        what = ("the --text file" if args.text is not None else "the --prompt" if args.prompt is not None
+                else "moeflow's package sources (the default text)")
+        raise ValueError(f"--tokens={tokens}: only {n_text} tokens in {what}; expected at most {n_text}"
+                         + ("" if args.text is not None else " (or a longer text: --text FILE)"))
+    ids = ids[:tokens]
+    stored = _stored_as(info, text_cfg)
+    meta = {"model": str(root), "family": info.family, "ctx": args.ctx, **source,
+            "expert_bytes_of": f"the checkpoint's stored experts, {stored}"}
+    trace = _record(root, ids, args.ctx, width, meta, info.expert_bytes)
+    trace.save(args.out)
+    short = f" (the text has only {n_text} of the --tokens={tokens})" if n_text < tokens else ""
+    print(f"wrote {args.out}: {len(trace.steps)} layer steps, {ids.numel()} tokens{short}, "
+          f"passes of {args.ctx} tokens; expert bytes {_human_bytes(info.expert_bytes)} each as stored ({stored}; "
+          f"the routing ran in float32)")
+    return 0
+
+
+def _record(root: Path, ids, ctx: int, width: int, meta: dict, expert_bytes: int):
+    """Run the checkpoint (float32, patched) on `ids` in passes of `ctx` tokens under a recorder; the Trace."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    from .hf import patch_model
+    from .offload.trace import record_trace
+
     model = AutoModelForCausalLM.from_pretrained(str(root), dtype=torch.float32)
     model.eval()
     patch_model(model)
-    meta = {"model": str(root), "family": info.family, "ctx": args.ctx, **source}
-    with torch.no_grad(), record_trace(model, width=args.width, meta=meta) as rec:
-        for start in range(0, ids.numel(), args.ctx):
-            model(input_ids=ids[start : start + args.ctx].unsqueeze(0))
-    rec.trace.save(args.out)
-    short = f" (the text has only {n_text} of the --tokens={args.tokens})" if n_text < args.tokens else ""
-    print(f"wrote {args.out}: {len(rec.trace.steps)} layer steps, {ids.numel()} tokens{short}, "
-          f"passes of {args.ctx} tokens")
-    return 0
+    starts = range(0, ids.numel(), ctx)
+    with torch.no_grad(), record_trace(model, width=width, meta=meta, expert_bytes=expert_bytes) as rec:
+        for start in _progress(starts, total=len(starts), desc="record", unit="pass", delay=0.0):
+            model(input_ids=ids[start : start + ctx].unsqueeze(0))
+    return rec.trace
 
 
 def _cmd_plot(args: argparse.Namespace) -> int:
     from . import plots
     from .offload.trace import replay
 
+    out_dir = check_output_dir(args.out, "--out")
+    paths = {}
+    for name in ("expert_load.png", "hit_rate.png"):
+        paths[name] = check_output_file(os.path.join(out_dir, name), "--out", inputs=[("trace", args.path)],
+                                        ours=plots.is_moeflow_png, force=args.force)
+    plots.require_matplotlib()
     trace = _load(args)
-    out_dir = args.out
+    runs = _replays(trace, args, [args.slots])
     load_LE = []
     toks = trace.tokens()
     for layer in range(trace.num_layers):
         c = Counter(e for tok in toks for e in tok.get(layer, []))
         load_LE.append([c.get(e, 0) for e in range(trace.num_experts[layer])])
-    p1 = plots.plot_expert_load(load_LE, os.path.join(out_dir, "expert_load.png"),
-                                title=f"expert load ({len(toks)} tokens)")
-    series = {}
-    for policy in args.policy:
-        for pf in args.prefetch:
-            if policy == "belady" and pf:
-                continue
-            rates: list[float] = []
-            replay(trace, args.slots, policy, pf, per_pass=rates)
-            series[f"{policy}" + (f"+pf{pf}" if pf else "")] = rates
-    p2 = plots.plot_hit_rate(series, os.path.join(out_dir, "hit_rate.png"))
+    rates = {}
+    for slots, policy, pf in _progress(runs, total=len(runs), desc="replay", unit="run"):
+        name = f"{policy}" + (f"+pf{pf}" if pf else "")
+        rates[name] = []
+        replay(trace, slots, policy, pf, per_pass=rates[name])
+    p1 = plots.plot_expert_load(load_LE, paths["expert_load.png"], title=f"expert load ({len(toks)} tokens)")
+    p2 = plots.plot_hit_rate(rates, paths["hit_rate.png"])
     print(f"wrote {p1} and {p2}")
     return 0
 
@@ -218,7 +306,8 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     r.add_argument("--predict-width", type=int, default=None,
                    help="predictions per token the predictive/adaptive policies see with prefetch off (default K)")
     _order_flags(r)
-    r.add_argument("--json", default=None, help="also write the rows as JSON")
+    r.add_argument("--json", default=None, help="also write the rows as JSON (a new file, or one moeflow wrote)")
+    _force_flag(r, "--json")
     r.set_defaults(func=_cmd_replay)
 
     s = acts.add_parser("stats", help="prediction recall, reuse between tokens, load skew")
@@ -227,14 +316,18 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
 
     c = acts.add_parser("record", help="record a trace from a checkpoint on a text")
     c.add_argument("model", help="a checkpoint directory (config.json + *.safetensors)")
-    c.add_argument("--out", required=True)
+    c.add_argument("--out", required=True, help="the trace file to write (.jsonl, or .jsonl.gz: compressed)")
+    _force_flag(c, "--out")
     src = c.add_mutually_exclusive_group()
     src.add_argument("--text", default=None, help="a file whose contents are the input")
     src.add_argument("--prompt", default=None, help="the input text itself")
-    c.add_argument("--tokens", type=int, default=DEFAULT_TOKENS,
-                   help=f"tokens to record (default {DEFAULT_TOKENS}; without --text/--prompt: of Python source)")
-    c.add_argument("--ctx", type=int, default=DEFAULT_CTX, help=f"tokens per forward pass (default {DEFAULT_CTX})")
-    c.add_argument("--width", type=int, default=None, help="prediction width to record (default 2K)")
+    c.add_argument("--tokens", type=int, default=None,
+                   help=f"tokens to record, at most what the text holds (default {DEFAULT_TOKENS}, or all of a "
+                        f"shorter text; without --text/--prompt: of Python source)")
+    c.add_argument("--ctx", type=int, default=DEFAULT_CTX,
+                   help=f"tokens per forward pass, at most the model's context (default {DEFAULT_CTX})")
+    c.add_argument("--width", type=int, default=None,
+                   help="prediction width to record, at most the experts of a layer (default 2K, at most E)")
     c.set_defaults(func=_cmd_record)
 
     pl = acts.add_parser("plot", help="PNG: expert load heatmap and cache hit rate over decode steps per policy")
@@ -244,6 +337,12 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                     choices=REPLAY_POLICIES)
     pl.add_argument("--prefetch", type=int, nargs="+", default=[0])
     _order_flags(pl)
-    pl.add_argument("--out", default=".", help="directory for expert_load.png and hit_rate.png")
+    pl.add_argument("--out", default=".", help="an existing directory for expert_load.png and hit_rate.png")
+    _force_flag(pl, "the PNGs")
     pl.set_defaults(func=_cmd_plot)
     return t
+
+
+def _force_flag(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--force", action="store_true",
+                        help=f"replace an existing file at {what} that moeflow did not write (never an input)")

@@ -1,5 +1,6 @@
 """The `moeflow` command: each subcommand on a tiny checkpoint, and user errors as one line + exit 2."""
 
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -64,7 +65,8 @@ def test_route_refuses_prompt_it_cannot_encode(tiny_checkpoint, capsys):
 def test_user_errors_are_one_line_and_exit_2(tmp_path, capsys):
     assert main(["info", str(tmp_path)]) == 2
     err = capsys.readouterr().err
-    assert "error: no config.json" in err and "hint:" in err and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    assert "error: no config.json" in err and "; hint: " in err and "Traceback" not in err
 
 
 def test_unsupported_family_lists_supported(tmp_path, capsys):
@@ -90,9 +92,16 @@ def test_demo_runs_and_matches(capsys):
 
 def test_trace_record_replay_stats_plot(tmp_path, capsys):
     from moeflow.demo import EMBEDDED_MODEL
+    from moeflow.inspect import checkpoint_info
+    from moeflow.offload.trace import Trace
 
     t = str(tmp_path / "t.jsonl")
     assert main(["trace", "record", str(EMBEDDED_MODEL), "--out", t, "--prompt", "def f(x):\n    return x"]) == 0
+    captured = capsys.readouterr()
+    # the trace counts an expert's bytes as stored, as `moeflow info` does, and says in which dtype
+    assert Trace.load(t).expert_bytes == checkpoint_info(EMBEDDED_MODEL).expert_bytes == 192 * 1024
+    assert "expert bytes 192.0 KiB each as stored (bfloat16" in captured.out
+    assert "record" in captured.err  # the progress bar over the forward passes
     assert main(["trace", "replay", t, "--slots", "8", "--policy", "lru", "belady", "--decode"]) == 0
     out = capsys.readouterr().out
     assert "belady" in out and "hit_rate" in out
@@ -148,18 +157,17 @@ def test_bench_routing_cpu_writes_json_and_plot(tmp_path, monkeypatch, capsys):
 
 
 def _assert_user_error(capsys, argv, *needles):
-    """main(argv) exits 2 with one error line and one hint line on stderr (the documented format)."""
+    """main(argv) exits 2 with exactly one line on stderr (the documented format); returns that line."""
     rc = main(argv)
     err = capsys.readouterr().err
     lines = err.splitlines()
     assert rc == 2, err
-    assert "Traceback" not in err
-    assert len(lines) == 2, err
+    assert "Traceback" not in err and "--debug" not in err
+    assert len(lines) == 1, err
     assert lines[0].startswith(f"moeflow {argv[0]}") and ": error: " in lines[0], err
-    assert lines[1].startswith("  hint: ") and len(lines[1]) > len("  hint: "), err
     for n in needles:
         assert n in lines[0], err
-    return lines
+    return lines[0]
 
 
 def _bad_config_dir(tmp_path):
@@ -208,8 +216,8 @@ def test_route_refuses_a_prompt_beyond_the_context_and_says_what_it_cuts(capsys)
     from moeflow.demo import EMBEDDED_MODEL
 
     long = "x = 1\n" * 100  # 600 bytes = 600 tokens > the embedded model's 512 positions
-    lines = _assert_user_error(capsys, ["route", str(EMBEDDED_MODEL), "--prompt", long], "600 tokens", "512")
-    assert "--max-tokens 512" in lines[1]
+    line = _assert_user_error(capsys, ["route", str(EMBEDDED_MODEL), "--prompt", long], "600 tokens", "512")
+    assert "; hint: " in line and "--max-tokens 512" in line.split("; hint: ")[1]
     # past 32 bytes nothing is cut silently: the whole prompt, or the cut said in the table
     assert main(["route", str(EMBEDDED_MODEL), "--prompt", long[:60]]) == 0
     assert capsys.readouterr().out.startswith("60 tokens, 4 MoE layers")
@@ -241,9 +249,9 @@ def _write_trace(path, header_changes=None, step=None):
 ])
 def test_trace_replay_of_a_corrupt_trace_is_a_user_error(tmp_path, capsys, header, step, needle):
     path = _write_trace(tmp_path / "t.jsonl", header, step)
-    lines = _assert_user_error(capsys, ["trace", "replay", path, "--slots", "8"], needle)
+    line = _assert_user_error(capsys, ["trace", "replay", path, "--slots", "8"], needle)
     if step is not None:
-        assert "t.jsonl:3:" in lines[0]  # the file's line
+        assert "t.jsonl:3:" in line  # the file's line
 
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="checks the refusal without CUDA")
@@ -257,8 +265,8 @@ def test_bench_experts_dry_run_without_triton_is_a_user_error(capsys, monkeypatc
 
     monkeypatch.chdir(Path(__file__).resolve().parents[1])
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    lines = _assert_user_error(capsys, ["bench", "experts", "--dry-run"], "'triton', which is not installed")
-    assert "pip install" in lines[1]
+    line = _assert_user_error(capsys, ["bench", "experts", "--dry-run"], "'triton', which is not installed")
+    assert "; hint: pip install" in line
 
 
 @pytest.mark.parametrize("argv, usage", [
@@ -318,3 +326,205 @@ def test_readme_record_then_replay_gives_belady_hits(tmp_path, capsys, monkeypat
     assert main(["trace", "plot", "t.jsonl", "--slots", "12", "--policy", "lru", "belady"]) == 0
     assert (tmp_path / "hit_rate.png").stat().st_size > 5000
     assert len(Trace.load("t.jsonl").steps) == 2048 // 128 * 4
+
+
+# ---- output paths: checked before the work; never an input; an existing file only if moeflow wrote it ----
+
+
+def _small_trace(path, *, num_experts=4, header=None):
+    """A 2-layer trace (E=4, K=1, W=2, 6 decode passes) written by moeflow: fast to replay and plot."""
+    from moeflow.offload.trace import Step, Trace
+
+    t = Trace(num_layers=2, num_experts=[num_experts] * 2, top_k=[1, 1], pred_width=2, expert_bytes=1000)
+    for p, e in enumerate([0, 1, 2, 0, 1, 3]):
+        t.steps += [Step(p, 0, [[e]], [[e, (e + 1) % num_experts]]), Step(p, 1, [[e]], None)]
+    t.save(path)
+    if header:
+        lines = path.read_text().splitlines()
+        lines[0] = json.dumps({**json.loads(lines[0]), **header})
+        path.write_text("\n".join(lines) + "\n")
+    return str(path)
+
+
+@pytest.fixture
+def checkpoint_copy(tmp_path, monkeypatch):
+    """A copy of the embedded checkpoint whose weights must survive; loading the model fails the test."""
+    import shutil
+
+    import transformers
+
+    from moeflow.demo import EMBEDDED_MODEL
+
+    ck = tmp_path / "ck"
+    shutil.copytree(EMBEDDED_MODEL, ck)
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the model was loaded: the refusal came after the work")
+
+    monkeypatch.setattr(transformers.AutoModelForCausalLM, "from_pretrained", no_load)
+    return ck
+
+
+def _digest(path):
+    import hashlib
+
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+@pytest.mark.parametrize("out, extra, needle", [
+    ("ck/model.safetensors", [], "is a file of the input MODEL"),
+    ("ck/model.safetensors", ["--force"], "is a file of the input MODEL"),  # an input, even with --force
+    ("in.txt", ["--text", "in.txt", "--force"], "is the input --text"),
+    ("user.jsonl", [], "exists and moeflow did not write it; pass --force"),
+    ("new/dir/t.jsonl", [], "does not exist; expected an existing directory"),
+    ("ck", [], "is a directory"),
+])
+def test_trace_record_refuses_an_output_path_before_loading(tmp_path, capsys, monkeypatch, checkpoint_copy,
+                                                            out, extra, needle):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "in.txt").write_text("def f(x):\n    return x\n")
+    (tmp_path / "user.jsonl").write_text('{"mine": 1}\n')
+    before = {p: _digest(p) for p in tmp_path.rglob("*") if p.is_file()}
+    _assert_user_error(capsys, ["trace", "record", "ck", "--out", out, *extra], needle)
+    assert {p: _digest(p) for p in tmp_path.rglob("*") if p.is_file()} == before
+    assert not (tmp_path / "new").exists()
+
+
+def test_trace_record_replaces_a_trace_it_wrote(tmp_path, capsys, monkeypatch):
+    from moeflow.demo import EMBEDDED_MODEL
+
+    monkeypatch.chdir(tmp_path)
+    _small_trace(tmp_path / "t.jsonl")
+    assert main(["trace", "record", str(EMBEDDED_MODEL), "--out", "t.jsonl", "--prompt", "def f(): pass"]) == 0
+    assert "13 tokens" in capsys.readouterr().out
+
+
+def test_trace_replay_json_path_is_checked_before_the_work(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    t = _small_trace(tmp_path / "t.jsonl")
+    digest = _digest(tmp_path / "t.jsonl")
+    _assert_user_error(capsys, ["trace", "replay", t, "--slots", "2", "--json", t], "is the input trace")
+    assert _digest(tmp_path / "t.jsonl") == digest
+    rc = main(["trace", "replay", t, "--slots", "2", "--json", "missing/dir/r.json"])
+    captured = capsys.readouterr()
+    assert rc == 2 and captured.out == "" and "does not exist" in captured.err  # no table: no work done
+    (tmp_path / "notes.json").write_text('{"mine": 1}')
+    _assert_user_error(capsys, ["trace", "replay", t, "--slots", "2", "--json", "notes.json"],
+                       "'notes.json' exists and moeflow did not write it")
+    assert (tmp_path / "notes.json").read_text() == '{"mine": 1}'
+    assert main(["trace", "replay", t, "--slots", "2", "--policy", "lru", "--json", "notes.json", "--force"]) == 0
+    assert main(["trace", "replay", t, "--slots", "2", "--policy", "belady", "--json", "notes.json"]) == 0  # its own
+    assert [r["policy"] for r in json.loads((tmp_path / "notes.json").read_text())] == ["belady"]
+
+
+def test_trace_plot_paths_are_checked_before_any_png(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    t = _small_trace(tmp_path / "t.jsonl")
+    _assert_user_error(capsys, ["trace", "plot", t, "--slots", "0"], "slots=0")
+    assert not list(tmp_path.glob("*.png"))  # refused before the first PNG
+    _assert_user_error(capsys, ["trace", "plot", t, "--slots", "2", "--out", "new/dir"], "no such directory")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "hit_rate.png").write_bytes(b"someone's picture")
+    _assert_user_error(capsys, ["trace", "plot", t, "--slots", "2"],
+                       "hit_rate.png' exists and moeflow did not write it; pass --force")
+    assert (tmp_path / "hit_rate.png").read_bytes() == b"someone's picture"
+    assert not (tmp_path / "expert_load.png").exists()
+    assert main(["trace", "plot", t, "--slots", "2", "--force"]) == 0
+    assert main(["trace", "plot", t, "--slots", "2"]) == 0  # its own PNGs: replaced without --force
+    assert (tmp_path / "hit_rate.png").stat().st_size > 5000
+
+
+# ---- size claims and non-regular files: refused by name, before allocating or blocking ----------------
+
+
+def test_trace_stats_refuses_a_header_claiming_a_billion_experts(tmp_path, capsys):
+    t = _small_trace(tmp_path / "t.jsonl", header={"num_experts": [10**9, 4]})
+    _assert_user_error(capsys, ["trace", "stats", t], "num_experts[0]=1000000000", "at most 65536")
+
+
+@pytest.mark.parametrize("action", ["replay", "plot"])
+def test_trace_replay_and_plot_refuse_absurd_slots(tmp_path, capsys, monkeypatch, action):
+    monkeypatch.chdir(tmp_path)
+    t = _small_trace(tmp_path / "t.jsonl")
+    _assert_user_error(capsys, ["trace", action, t, "--slots", "99999999999"], "slots=99999999999",
+                       "expected an int in [1, 8]")
+    assert not list(tmp_path.glob("*.png"))
+
+
+def test_trace_stats_refuses_a_huge_line_and_deep_nesting(tmp_path, capsys):
+    import gzip
+
+    head = (tmp_path / "h.jsonl")
+    _small_trace(head)
+    header = head.read_text().splitlines()[0]
+    bomb = tmp_path / "bomb.jsonl.gz"
+    bomb.write_bytes(gzip.compress((header + "\n" + " " * (17 << 20) + "\n").encode(), compresslevel=1))
+    _assert_user_error(capsys, ["trace", "stats", str(bomb)], "bomb.jsonl.gz:2: line longer than")
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text("[" * 200_000 + "]" * 200_000 + "\n")
+    _assert_user_error(capsys, ["trace", "stats", str(deep)], "nested too deeply")
+
+
+@contextlib.contextmanager
+def _fifo_released_after(path, seconds=15.0):
+    """After `seconds`, keep opening (and closing) the FIFO's write end, so a reader blocked on it returns:
+    a missing check then fails the test instead of hanging it."""
+    import os
+    import threading
+
+    stop = threading.Event()
+
+    def release():
+        if stop.wait(seconds):
+            return
+        while not stop.is_set():
+            os.close(os.open(path, os.O_WRONLY))
+            stop.wait(0.05)
+
+    thread = threading.Thread(target=release, daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        try:  # a writer blocked in open() returns once a reader opens the other end
+            os.close(os.open(path, os.O_RDONLY | os.O_NONBLOCK))
+        except OSError:
+            pass
+        thread.join(1.0)
+
+
+@pytest.mark.skipif(not hasattr(__import__("os"), "mkfifo"), reason="needs FIFOs")
+def test_a_fifo_is_refused_as_a_trace_and_as_a_text(tmp_path, capsys, checkpoint_copy, monkeypatch):
+    import os
+
+    monkeypatch.chdir(tmp_path)
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)
+    with _fifo_released_after(fifo):
+        _assert_user_error(capsys, ["trace", "stats", str(fifo)], "is a FIFO, expected a regular file")
+        _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--text", str(fifo)],
+                           "--text", "is a FIFO")
+
+
+def test_trace_record_refuses_more_tokens_than_its_text(tmp_path, capsys, monkeypatch, checkpoint_copy):
+    monkeypatch.chdir(tmp_path)
+    _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--tokens", "99999999999"],
+                       "--tokens=99999999999: only", "package sources")
+    _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--prompt", "abc", "--tokens", "5"],
+                       "--tokens=5: only 3 tokens in the --prompt")
+
+
+# ---- options accepted silently before: refused by name ---------------------------------------------------
+
+
+def test_trace_replay_refuses_predict_width_0(tmp_path, capsys):
+    t = _small_trace(tmp_path / "t.jsonl")
+    _assert_user_error(capsys, ["trace", "replay", t, "--slots", "2", "--predict-width", "0"],
+                       "predict_width=0", "[1, 2]")
+
+
+def test_trace_record_refuses_a_width_beyond_the_experts(tmp_path, capsys, monkeypatch, checkpoint_copy):
+    monkeypatch.chdir(tmp_path)
+    _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--width", "100"],
+                       "width=100", "E=8")

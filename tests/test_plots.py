@@ -35,3 +35,13 @@ def test_empty_inputs_are_refused(tmp_path):
         plots.plot_expert_load([], tmp_path / "x.png")
     with pytest.raises(ValueError, match="series"):
         plots.plot_hit_rate({}, tmp_path / "x.png")
+
+
+def test_plots_carry_moeflow_mark_and_create_no_directory(tmp_path):
+    load = [[1, 2, 3], [3, 2, 1]]
+    assert plots.is_moeflow_png(plots.plot_expert_load(load, tmp_path / "load.png"))
+    (tmp_path / "other.png").write_bytes(b"\x89PNG\r\n\x1a\n" + b"\0" * 40)
+    assert not plots.is_moeflow_png(tmp_path / "other.png") and not plots.is_moeflow_png(tmp_path / "none.png")
+    with pytest.raises(FileNotFoundError):
+        plots.plot_expert_load(load, tmp_path / "new" / "load.png")
+    assert not (tmp_path / "new").exists()

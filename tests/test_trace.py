@@ -169,7 +169,7 @@ def test_replay_of_a_recorded_trace_matches_the_live_cache(policy, prefetch):
 @pytest.mark.parametrize("kwargs, match", [
     (dict(num_experts=[4]), r"Trace.num_experts=\[4\]: expected a list of num_layers=2 ints >= 1"),
     (dict(top_k=[1, 5]), r"Trace.top_k\[1\]=5: exceeds the layer's 4 \+ 0 experts"),
-    (dict(expert_bytes=-1), "Trace.expert_bytes=-1: expected an int >= 0"),
+    (dict(expert_bytes=-1), r"Trace.expert_bytes=-1: expected an int in \[0, "),
     (dict(pred_width=1.5), "Trace.pred_width=1.5"),
     (dict(num_layers=0), "Trace.num_layers=0"),
     (dict(num_zero_experts=[0]), r"Trace.num_zero_experts=\[0\]"),
@@ -239,3 +239,82 @@ def test_zero_expert_ids_are_valid_and_round_trip(tmp_path):
     assert u.num_zero_experts == [2] and u.as_decode().num_zero_experts == [2]
     r = replay(u, 2, "lru")
     assert (r.hits, r.misses) == (0, 2)  # (0,0) and (0,1); the zero experts cost nothing
+
+
+# ---- size claims, file kinds, argument bounds -------------------------------------------------------
+
+
+@pytest.mark.parametrize("kwargs, match", [
+    (dict(num_experts=[10**9, 4]), r"Trace.num_experts\[0\]=1000000000 \(\+ 0 zero experts\): expected at most 65536"),
+    (dict(num_zero_experts=[0, 70_000]), r"Trace.num_experts\[1\]=4 \(\+ 70000 zero experts\)"),
+    (dict(num_layers=5000, num_experts=[4] * 5000, top_k=[1] * 5000), r"Trace.num_layers=5000: expected an int in \[1, 4096\]"),
+    (dict(num_layers=32, num_experts=[60_000] * 32, top_k=[1] * 32), r"Trace.num_experts: 1920000 experts over 32 layers"),
+    (dict(pred_width=5), r"Trace.pred_width=5: expected an int in \[0, 4\]"),
+    (dict(expert_bytes=10**30), r"Trace.expert_bytes=10{30}"),
+])
+def test_trace_header_size_claims_are_bounded(kwargs, match):
+    base = dict(num_layers=2, num_experts=[4, 4], top_k=[1, 1])
+    with pytest.raises(ValueError, match=match):
+        Trace(**{**base, **kwargs})
+
+
+def test_check_replay_bounds_every_argument():
+    from moeflow.offload.trace import check_replay
+
+    t = _prefetch_trace()  # E = 4 per layer, 2 layers: 8 experts in all; K = 1, W = 1
+    for kwargs, match in [(dict(slots=9), r"slots=9: expected an int in \[1, 8\]"),
+                          (dict(slots=10**11), "slots=100000000000"),
+                          (dict(slots=2, prefetch=2), "prefetch=2: expected 0..1"),
+                          (dict(slots=2, predict_width=0), r"predict_width=0: expected an int in \[1, 1\]"),
+                          (dict(slots=2, predict_width=2), "predict_width=2"),
+                          (dict(slots=2, policy="mru"), "policy='mru'")]:
+        with pytest.raises(ValueError, match=match):
+            check_replay(t, **kwargs)
+        with pytest.raises(ValueError, match=match):
+            replay(t, **kwargs)
+    with pytest.raises(ValueError, match="the trace recorded no predictions"):
+        check_replay(_cyclic_trace(), 2, "predictive", predict_width=1)
+    check_replay(t, 8, "adaptive_long", 1, predict_width=1)  # the largest of each is accepted
+
+
+def test_replay_per_pass_bytes_add_up():
+    rates, copied = [], []
+    r = replay(_prefetch_trace(), 3, "lru", prefetch=1, per_pass=rates, per_pass_bytes=copied)
+    assert len(rates) == len(copied) == 2
+    assert sum(copied) == r.bytes_copied == 50
+
+
+def test_prediction_width_refuses_more_than_the_experts():
+    from moeflow.offload.trace import prediction_width
+
+    assert prediction_width(None, [2, 2], [8, 3]) == 3  # the default, 2K, fits the fewest experts
+    assert prediction_width(0, [2], [8]) == 0
+    with pytest.raises(ValueError, match=r"width=100: expected an int in \[0, 8\]"):
+        prediction_width(100, [2], [8])
+    with pytest.raises(ValueError, match="width=-1"):
+        prediction_width(-1, [2], [8])
+
+
+def test_trace_load_reads_only_bounded_regular_files(tmp_path):
+    import gzip
+    import os
+
+    from moeflow.offload.trace import MAX_LINE_CHARS, is_trace_file
+    from moeflow.paths import PathError
+
+    _cyclic_trace().save(tmp_path / "t.jsonl")
+    header = (tmp_path / "t.jsonl").read_text().splitlines()[0]
+    assert is_trace_file(tmp_path / "t.jsonl") and not is_trace_file(tmp_path)
+    big = tmp_path / "big.jsonl.gz"
+    big.write_bytes(gzip.compress((header + "\n" + "[" + " " * MAX_LINE_CHARS + "]\n").encode(), compresslevel=1))
+    with pytest.raises(ValueError, match=f"big.jsonl.gz:2: line longer than {MAX_LINE_CHARS} characters"):
+        Trace.load(big)
+    deep = tmp_path / "deep.jsonl"
+    deep.write_text(header + "\n" + "[" * 200_000 + "]" * 200_000 + "\n")
+    with pytest.raises(ValueError, match="deep.jsonl:2: not JSON \\(JSON nested too deeply to parse\\)"):
+        Trace.load(deep)
+    if hasattr(os, "mkfifo"):
+        os.mkfifo(tmp_path / "fifo")
+        with pytest.raises(PathError, match="trace '.*fifo' is a FIFO, expected a regular file"):
+            Trace.load(tmp_path / "fifo")  # refused before open(), which would block
+        assert not is_trace_file(tmp_path / "fifo")

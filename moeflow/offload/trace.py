@@ -28,6 +28,13 @@ lists whose length is not num_layers, negative sizes, expert ids outside [0, E +
 rows of other than K distinct ids, predictions of the wrong width or range.
 `Trace.validate()` checks the steps of a trace built in code; `replay` calls it.
 
+Size claims are bounded before anything is sized by them: at most MAX_LAYERS layers,
+MAX_EXPERTS experts per layer and MAX_EXPERTS_TOTAL over all layers (the statistics and
+the plots hold one count per expert), expert_bytes at most MAX_EXPERT_BYTES, a pred_width
+of at most the experts of a layer. `Trace.load` reads only a regular file (a FIFO would
+block forever), lines of at most MAX_LINE_CHARS characters (a small gzip file can hold one
+huge line), and refuses JSON nested too deeply to parse.
+
 The command line (`moeflow trace record | replay | stats | plot`) lives in
 `moeflow.trace_command`; this module is the library.
 """
@@ -38,17 +45,29 @@ import gzip
 import json
 import math
 import os
+import zlib
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
 
+from ..paths import check_input_file
 from .policy import POLICIES, PREDICTIVE_POLICIES, Belady, make_policy
 from .slots import CacheRates, Key, SlotTable
 
 TRACE_VERSION = 1
 REPLAY_POLICIES = (*POLICIES, "belady")
+
+# Bounds on what a trace may claim (the largest MoE models have a few hundred layers and
+# experts per layer): the statistics and plots size lists by these numbers.
+MAX_LAYERS = 1 << 12
+MAX_EXPERTS = 1 << 16  # per layer, zero experts included
+MAX_EXPERTS_TOTAL = 1 << 20  # routed experts over all layers (the most slots a replay can use)
+MAX_EXPERT_BYTES = 1 << 40
+# A step line holds T rows of K ids and T predictions of W ids: a pass of 65536 tokens with
+# K = 8 and W = 16 is under 8 Mi characters.
+MAX_LINE_CHARS = 1 << 24
 
 
 @dataclass
@@ -103,20 +122,27 @@ class Trace:
     num_zero_experts: list[int] | None = None
 
     def __post_init__(self) -> None:
-        if not _is_int(self.num_layers) or self.num_layers < 1:
-            raise ValueError(f"Trace.num_layers={self.num_layers!r}: expected an int >= 1")
+        if not _is_int(self.num_layers) or not 1 <= self.num_layers <= MAX_LAYERS:
+            raise ValueError(f"Trace.num_layers={self.num_layers!r}: expected an int in [1, {MAX_LAYERS}]")
         L = self.num_layers
         self.num_experts = _int_list("num_experts", self.num_experts, L, 1)
         self.num_zero_experts = _int_list("num_zero_experts", [0] * L if self.num_zero_experts is None
                                           else self.num_zero_experts, L, 0)
         self.top_k = _int_list("top_k", self.top_k, L, 1)
         for layer, (k, e, z) in enumerate(zip(self.top_k, self.num_experts, self.num_zero_experts)):
+            if e + z > MAX_EXPERTS:
+                raise ValueError(f"Trace.num_experts[{layer}]={e} (+ {z} zero experts): expected at most "
+                                 f"{MAX_EXPERTS} experts per layer")
             if k > e + z:
                 raise ValueError(f"Trace.top_k[{layer}]={k}: exceeds the layer's {e} + {z} experts")
-        for name in ("pred_width", "expert_bytes"):
+        if sum(self.num_experts) > MAX_EXPERTS_TOTAL:
+            raise ValueError(f"Trace.num_experts: {sum(self.num_experts)} experts over {L} layers, expected at "
+                             f"most {MAX_EXPERTS_TOTAL}")
+        for name, bound in (("pred_width", max(self.num_experts)), ("expert_bytes", MAX_EXPERT_BYTES)):
             v = getattr(self, name)
-            if not _is_int(v) or v < 0:
-                raise ValueError(f"Trace.{name}={v!r}: expected an int >= 0")
+            if not _is_int(v) or not 0 <= v <= bound:
+                what = "the most experts of a layer" if name == "pred_width" else "bytes of one expert"
+                raise ValueError(f"Trace.{name}={v!r}: expected an int in [0, {bound}] ({what})")
         if not isinstance(self.meta, dict):
             raise ValueError(f"Trace.meta={self.meta!r}: expected a dict")
 
@@ -174,26 +200,27 @@ class Trace:
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> Trace:
-        """Read and validate a trace file; ValueError names the line, the field and the value."""
-        path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"trace {path!r} does not exist")
-        if os.path.isdir(path):
-            raise ValueError(f"trace {path!r} is a directory: expected a trace file (.jsonl or .jsonl.gz) "
-                             f"written by `moeflow trace record`")
+        """Read and validate a trace file; ValueError names the line, the field and the value.
+
+        Only a regular file is opened (FileNotFoundError, or moeflow.paths.PathError for a
+        directory, a FIFO, a device); see the module doc for the bounds on what it may claim.
+        """
+        path = check_input_file(path, "trace")
         opener = gzip.open if path.endswith(".gz") else open
         try:
             with opener(path, "rt") as f:
                 return cls._read(path, f)
-        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as exc:
-            raise ValueError(f"{path}: not a text trace file ({exc})") from exc
+        except (UnicodeDecodeError, gzip.BadGzipFile, EOFError, zlib.error) as exc:
+            raise ValueError(f"{path}: not a text trace file ({exc}); expected a trace written by "
+                             f"`moeflow trace record` (.jsonl or .jsonl.gz)") from exc
 
     @classmethod
     def _read(cls, path: str, f) -> Trace:
-        first = f.readline()
+        lines = _bounded_lines(path, f)
+        _, first = next(lines, (1, ""))
         try:
-            head = json.loads(first)
-        except json.JSONDecodeError as exc:
+            head = _json_line(first)
+        except ValueError as exc:
             raise ValueError(f"{path}: line 1 is not JSON ({exc}); expected a moeflow trace header") from exc
         if not isinstance(head, dict) or head.get("moeflow_trace") != TRACE_VERSION:
             raise ValueError(f"{path}: line 1 is not a moeflow trace header (version {TRACE_VERSION})")
@@ -207,13 +234,13 @@ class Trace:
         except ValueError as exc:
             raise ValueError(f"{path}:1: {exc}") from exc
         rows: dict[int, int] = {}
-        for n, line in enumerate(f, start=2):
+        for n, line in lines:
             if not line.strip():
                 continue
             where = f"{path}:{n}"
             try:
-                r = json.loads(line)
-            except json.JSONDecodeError as exc:
+                r = _json_line(line)
+            except ValueError as exc:
                 raise ValueError(f"{where}: not JSON ({exc}); expected a step line") from exc
             if not isinstance(r, dict) or any(k not in r for k in ("p", "l", "ids")):
                 raise ValueError(f"{where}: expected a step {{'p': pass, 'l': layer, 'ids': [...]}}, got {line[:80]!r}")
@@ -256,6 +283,42 @@ class Trace:
         return out
 
 
+def _bounded_lines(path: str, f):
+    """(line number, line) of a text file, each line at most MAX_LINE_CHARS characters (else ValueError)."""
+    n = 0
+    while True:
+        line = f.readline(MAX_LINE_CHARS + 1)
+        if not line:
+            return
+        n += 1
+        if len(line) > MAX_LINE_CHARS:
+            raise ValueError(f"{path}:{n}: line longer than {MAX_LINE_CHARS} characters; expected a trace line "
+                             f"(a header, or one layer step)")
+        yield n, line
+
+
+def _json_line(line: str):
+    """json.loads, with a nesting too deep for the parser refused as a ValueError."""
+    try:
+        return json.loads(line)
+    except RecursionError:
+        raise ValueError("JSON nested too deeply to parse") from None
+
+
+def is_trace_file(path: str | os.PathLike) -> bool:
+    """True when `path` is a regular file whose first line is a moeflow trace header (read bounded)."""
+    path = os.fspath(path)
+    try:
+        check_input_file(path, "trace")
+        opener = gzip.open if path.endswith(".gz") else open
+        with opener(path, "rb") as f:
+            first = f.readline(1 << 20)
+        head = json.loads(first)
+    except (OSError, ValueError, EOFError, zlib.error, RecursionError):
+        return False
+    return isinstance(head, dict) and "moeflow_trace" in head
+
+
 # ---- recording ------------------------------------------------------------------------------
 
 
@@ -268,27 +331,20 @@ class TraceRecorder:
     reads ids back to the host (a sync per layer): a tracing tool, not the fast path.
     """
 
-    def __init__(self, layers: Sequence, *, width: int | None = None, meta: dict | None = None) -> None:
+    def __init__(self, layers: Sequence, *, width: int | None = None, meta: dict | None = None,
+                 expert_bytes: int | None = None) -> None:
         from ..routing.predict import predict_next_ids
 
         self._predict = predict_next_ids
         self.layers = list(layers)
         if not self.layers:
             raise ValueError("layers: empty, expected the model's MoELayers")
-        k_max = max(layer.config.top_k for layer in self.layers)
-        e_min = min(layer.config.num_experts for layer in self.layers)
-        self.width = min(2 * k_max if width is None else int(width), e_min)
-        w0 = self.layers[0]
-        expert_bytes = 0
-        store = getattr(getattr(w0, "offload", None), "store", None)
-        if store is not None:
-            expert_bytes = store.expert_bytes
-        else:
-            try:
-                w = w0.expert_weights
-                expert_bytes = (w.gate_up[0].numel() + w.down[0].numel()) * w.gate_up.element_size()
-            except ValueError:
-                expert_bytes = 0
+        self.width = prediction_width(width, [m.config.top_k for m in self.layers],
+                                      [m.config.num_experts for m in self.layers])
+        if expert_bytes is None:
+            expert_bytes = _held_expert_bytes(self.layers[0])
+        elif not _is_int(expert_bytes) or not 0 <= expert_bytes <= MAX_EXPERT_BYTES:
+            raise ValueError(f"expert_bytes={expert_bytes!r}: expected an int in [0, {MAX_EXPERT_BYTES}]")
         self.trace = Trace(len(self.layers), [m.config.num_experts for m in self.layers],
                            [m.config.top_k for m in self.layers], self.width, expert_bytes, dict(meta or {}),
                            num_zero_experts=[m.config.router.num_zero_experts for m in self.layers])
@@ -340,6 +396,33 @@ class TraceRecorder:
         return hook
 
 
+def prediction_width(width: int | None, top_k: Sequence[int], num_experts: Sequence[int]) -> int:
+    """The prediction width a recording uses: `width`, or by default 2K capped at the fewest experts of a layer.
+
+    An explicit width must be an int in [0, E] (E: the fewest routed experts of a layer; a
+    prediction is W distinct experts of the next layer); ValueError names it otherwise.
+    """
+    e_min = min(num_experts)
+    if width is None:
+        return min(2 * max(top_k), e_min)
+    if not _is_int(width) or not 0 <= width <= e_min:
+        raise ValueError(f"width={width!r}: expected an int in [0, {e_min}] (a prediction is W distinct experts "
+                         f"of the next layer, which has E={e_min})")
+    return width
+
+
+def _held_expert_bytes(layer) -> int:
+    """Bytes of one expert as the layer holds it (its offload store's, else its weights' dtype); 0 unknown."""
+    store = getattr(getattr(layer, "offload", None), "store", None)
+    if store is not None:
+        return store.expert_bytes
+    try:
+        w = layer.expert_weights
+        return (w.gate_up[0].numel() + w.down[0].numel()) * w.gate_up.element_size()
+    except ValueError:
+        return 0
+
+
 def find_moe_layers(model) -> list:
     """The MoELayers of a patched model, in module (= layer) order (modules with a router and a
     dispatcher: this stage knows the layer by its interface, not by importing it)."""
@@ -347,12 +430,18 @@ def find_moe_layers(model) -> list:
             if hasattr(m, "router_weights") and hasattr(m, "dispatcher") and hasattr(m, "last_routing")]
 
 
-def record_trace(model_or_layers, *, width: int | None = None, meta: dict | None = None) -> TraceRecorder:
-    """A recorder context for a patched model (or a list of MoELayers): `with record_trace(m) as r: ...`."""
+def record_trace(model_or_layers, *, width: int | None = None, meta: dict | None = None,
+                 expert_bytes: int | None = None) -> TraceRecorder:
+    """A recorder context for a patched model (or a list of MoELayers): `with record_trace(m) as r: ...`.
+
+    expert_bytes: the bytes of one expert the trace's replays count (default: as the layers
+    hold it, in the dtype the model was loaded in; `moeflow trace record` passes the
+    checkpoint's stored bytes).
+    """
     layers = model_or_layers if isinstance(model_or_layers, (list, tuple)) else find_moe_layers(model_or_layers)
     if not layers:
         raise ValueError("model: no MoELayer found; patch it first (moeflow.patch_model)")
-    return TraceRecorder(layers, width=width, meta=meta)
+    return TraceRecorder(layers, width=width, meta=meta, expert_bytes=expert_bytes)
 
 
 # ---- replay ---------------------------------------------------------------------------------
@@ -397,26 +486,48 @@ def _pred_keys(step: Step, width: int) -> list[Key]:
     return Prefetcher.keys(step.layer, [row[:width] for row in step.pred])
 
 
+def check_replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *,
+                 predict_width: int | None = None) -> None:
+    """ValueError naming the argument when `replay(trace, slots, policy, prefetch, ...)` cannot run.
+
+    slots: an int in [K, N] (K: the most picks of a layer's token; N: the trace's routed
+    experts over all layers: N slots hold every expert, more would only allocate).
+    prefetch: an int in [0, pred_width]. predict_width: None or an int in [1, pred_width]
+    (the trace must hold predictions). Cheap: a command checks every replay it will run first.
+    """
+    if policy not in REPLAY_POLICIES:
+        raise ValueError(f"policy={policy!r}: expected one of {REPLAY_POLICIES}")
+    K, N = max(trace.top_k), sum(trace.num_experts)
+    if not _is_int(slots) or not K <= slots <= N:
+        raise ValueError(f"slots={slots!r}: expected an int in [{K}, {N}] (K={K} experts of one token's layer; "
+                         f"{N} slots hold all of the trace's experts)")
+    if not _is_int(prefetch) or not 0 <= prefetch <= trace.pred_width:
+        raise ValueError(f"prefetch={prefetch!r}: expected 0..{trace.pred_width} (the trace's recorded pred_width)")
+    if predict_width is not None:
+        if trace.pred_width == 0:
+            raise ValueError(f"predict_width={predict_width!r}: the trace recorded no predictions (pred_width 0)")
+        if not _is_int(predict_width) or not 1 <= predict_width <= trace.pred_width:
+            raise ValueError(f"predict_width={predict_width!r}: expected an int in [1, {trace.pred_width}] "
+                             f"(the trace's recorded pred_width)")
+
+
 def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, seed: int = 0,
            oldest_fraction: float = 0.0625, predict_width: int | None = None,
-           per_pass: list[float] | None = None) -> ReplayResult:
+           per_pass: list[float] | None = None, per_pass_bytes: list[int] | None = None) -> ReplayResult:
     """Simulate a cache of `slots` experts with `policy` on `trace`; prefetch = width (0: off).
 
     per_pass: if a list is given, the hit rate of each forward pass (a decode step, or
-    one prefill chunk) is appended to it, in trace order (for `moeflow trace plot`).
+    one prefill chunk) is appended to it, in trace order (for `moeflow trace plot`);
+    per_pass_bytes likewise gets the bytes copied in each pass (misses and prefetches).
 
     Mirrors OffloadRuntime.forward_layer: protect the predicted keys of the next layer,
     pin + load this step's experts (in groups of <= slots when a step needs more), then
     prefetch the predicted missing ones. "predictive" protects `predict_width` (default:
-    prefetch if > 0, else K) predictions. "belady" ignores prefetch.
+    prefetch if > 0, else K) predictions. "belady" ignores prefetch. `check_replay` says
+    which arguments are refused.
     """
     trace.validate()  # a corrupt step would replay into a plausible, wrong table
-    if policy not in REPLAY_POLICIES:
-        raise ValueError(f"policy={policy!r}: expected one of {REPLAY_POLICIES}")
-    if not isinstance(slots, int) or slots < max(trace.top_k):
-        raise ValueError(f"slots={slots!r}: expected an int >= K={max(trace.top_k)}")
-    if not isinstance(prefetch, int) or prefetch < 0 or prefetch > trace.pred_width:
-        raise ValueError(f"prefetch={prefetch}: expected 0..{trace.pred_width} (the trace's recorded pred_width)")
+    check_replay(trace, slots, policy, prefetch, predict_width=predict_width)
     keys_per_step = [_step_keys(s, trace.num_experts[s.layer]) for s in trace.steps]
     if policy == "belady":
         prefetch = 0
@@ -447,7 +558,7 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
     else:
         width = 0
     table = SlotTable(slots, pol, trace.expert_bytes)
-    marks: list[tuple[int, int]] = []
+    marks: list[tuple[int, int, int]] = []
     tokens = 0
     last_pass = None
     for i, (step, keys) in enumerate(zip(trace.steps, keys_per_step)):
@@ -456,28 +567,33 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
         if step.pass_idx != last_pass:
             tokens += len(step.ids)
             last_pass = step.pass_idx
-            if per_pass is not None:
-                _close_pass(per_pass, table.stats, marks)
+            _close_pass(per_pass, per_pass_bytes, table.stats, marks)
         table.protected = _pred_keys(step, width)  # best first, as the live Prefetcher gives them
         for g in range(0, max(1, len(keys)), slots):
             table.begin_step()
             table.acquire(keys[g : g + slots])
         if prefetch > 0:
             table.prefetch(_pred_keys(step, prefetch))
-    if per_pass is not None and trace.steps:
-        _close_pass(per_pass, table.stats, marks)
+    if trace.steps:
+        _close_pass(per_pass, per_pass_bytes, table.stats, marks)
     s = table.stats
     return ReplayResult(policy, slots, prefetch, len(trace.steps), tokens, s.hits, s.misses, s.prefetch_issued,
                         s.prefetch_used, s.prefetch_wasted, s.bytes_copied)
 
 
-def _close_pass(per_pass: list[float], stats, marks: list[tuple[int, int]]) -> None:
-    """Append the hit rate since the last mark (the pass that just ended) and set a new mark."""
+def _close_pass(per_pass: list[float] | None, per_pass_bytes: list[int] | None, stats,
+                marks: list[tuple[int, int, int]]) -> None:
+    """Append the hit rate and bytes since the last mark (the pass that just ended) and set a new mark."""
+    if per_pass is None and per_pass_bytes is None:
+        return
     if marks:
-        h0, m0 = marks[-1]
+        h0, m0, b0 = marks[-1]
         n = (stats.hits - h0) + (stats.misses - m0)
-        per_pass.append((stats.hits - h0) / n if n else 1.0)
-    marks.append((stats.hits, stats.misses))
+        if per_pass is not None:
+            per_pass.append((stats.hits - h0) / n if n else 1.0)
+        if per_pass_bytes is not None:
+            per_pass_bytes.append(stats.bytes_copied - b0)
+    marks.append((stats.hits, stats.misses, stats.bytes_copied))
 
 
 # ---- statistics -----------------------------------------------------------------------------
