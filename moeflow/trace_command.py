@@ -2,7 +2,7 @@
 
     moeflow trace record MODEL_DIR --out t.jsonl [--text FILE | --prompt TEXT] [--tokens N] [--ctx C] [--width W]
     moeflow trace replay t.jsonl --slots 8 16 [--policy lru ... belady] [--prefetch 0 2]   (default: every policy)
-    moeflow trace stats t.jsonl
+    moeflow trace stats t.jsonl [--json]
     moeflow trace plot t.jsonl --slots 12 [--out DIR]
 
 `record` runs the checkpoint on a text (default: DEFAULT_TOKENS tokens of Python source,
@@ -161,10 +161,46 @@ def _human_bytes(n: float) -> str:
     return str(n)
 
 
+def format_stats(stats: dict, trace=None, path: str = "") -> str:
+    """`trace_stats(trace)` as a table: one row per layer (recall, reuse, load skew), then all layers and random."""
+
+    def cell(v, width: int = 10) -> str:
+        return f"{'-':>{width}}" if v is None else f"{v:>{width}.3f}"
+
+    K, E, W = stats["top_k"], stats["experts"], stats["pred_width"]
+    head = [f"{path + ': ' if path else ''}{stats['tokens']} tokens, {stats['layers']} MoE layers, E={E}, K={K}, "
+            f"predictions of width W={W}" + (" (none recorded)" if W == 0 else "")]
+    if trace is not None and trace.expert_bytes:
+        of = trace.meta.get("expert_bytes_of")
+        head.append(f"expert bytes {_human_bytes(trace.expert_bytes)} each" + (f" ({of})" if of else ""))
+    head += ["recall@W: share of a layer's K experts among the W best its predictor (the previous layer) named;",
+             "reuse: share of a token's K experts the previous token also picked; max/mean, cv, top 1/4: load skew",
+             ""]
+    cols = f"{'layer':>6}{'recall@K':>10}{'recall@2K':>10}{'reuse':>10}{'max/mean':>10}{'cv':>10}{'top 1/4':>10}"
+    lines = [*head, cols, "-" * len(cols)]
+    rk, r2k = stats.get("recall_at_K_per_layer", {}), stats.get("recall_at_2K_per_layer", {})
+    reuse, skew = stats.get("reuse_consecutive_per_layer", {}), stats.get("load_skew", {})
+    for layer in range(stats["layers"]):
+        key = str(layer)
+        sk = skew.get(key, {})
+        lines.append(f"{layer:>6}{cell(rk.get(key))}{cell(r2k.get(key))}{cell(reuse.get(key))}"
+                     f"{cell(sk.get('max_over_mean'))}{cell(sk.get('cv'))}{cell(sk.get('top_quarter_share'))}")
+    lines.append("-" * len(cols))
+    lines.append(f"{'all':>6}{cell(stats.get('recall_at_K'))}{cell(stats.get('recall_at_2K'))}"
+                 f"{cell(stats.get('reuse_consecutive'))}")
+    rand_top = min(1.0, max(1, E // 4) / E) if E else None
+    lines.append(f"{'random':>6}{cell(stats.get('recall_at_K_random'))}{cell(stats.get('recall_at_2K_random'))}"
+                 f"{cell(stats.get('reuse_random'))}{cell(1.0)}{cell(0.0)}{cell(rand_top)}")
+    lines.append("(random: uniform routing and guessing; '-': not measurable, e.g. no predictions recorded)")
+    return "\n".join(lines)
+
+
 def _cmd_stats(args: argparse.Namespace) -> int:
     from .offload.trace import Trace, trace_stats
 
-    print(json.dumps(trace_stats(Trace.load(args.path)), indent=1))
+    trace = Trace.load(args.path)
+    stats = trace_stats(trace)
+    print(json.dumps(stats, indent=1) if args.json else format_stats(stats, trace, args.path))
     return 0
 
 
@@ -269,13 +305,14 @@ def _cmd_plot(args: argparse.Namespace) -> int:
     for layer in range(trace.num_layers):
         c = Counter(e for tok in toks for e in tok.get(layer, []))
         load_LE.append([c.get(e, 0) for e in range(trace.num_experts[layer])])
-    rates = {}
+    rates, copied = {}, {}
     for slots, policy, pf in _progress(runs, total=len(runs), desc="replay", unit="run"):
         name = f"{policy}" + (f"+pf{pf}" if pf else "")
-        rates[name] = []
-        replay(trace, slots, policy, pf, per_pass=rates[name])
+        rates[name], copied[name] = [], []
+        replay(trace, slots, policy, pf, per_pass=rates[name], per_pass_bytes=copied[name])
+    step = "decode step" if not args.prefill else "forward pass"
     p1 = plots.plot_expert_load(load_LE, paths["expert_load.png"], title=f"expert load ({len(toks)} tokens)")
-    p2 = plots.plot_hit_rate(rates, paths["hit_rate.png"])
+    p2 = plots.plot_hit_rate(rates, paths["hit_rate.png"], bytes_per_step=copied, slots=args.slots, step=step)
     print(f"wrote {p1} and {p2}")
     return 0
 
@@ -310,8 +347,9 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     _force_flag(r, "--json")
     r.set_defaults(func=_cmd_replay)
 
-    s = acts.add_parser("stats", help="prediction recall, reuse between tokens, load skew")
+    s = acts.add_parser("stats", help="prediction recall, reuse between tokens, load skew (a table per layer)")
     s.add_argument("path")
+    s.add_argument("--json", action="store_true", help="print the statistics as JSON instead (for machines)")
     s.set_defaults(func=_cmd_stats)
 
     c = acts.add_parser("record", help="record a trace from a checkpoint on a text")
@@ -330,11 +368,12 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
                    help="prediction width to record, at most the experts of a layer (default 2K, at most E)")
     c.set_defaults(func=_cmd_record)
 
-    pl = acts.add_parser("plot", help="PNG: expert load heatmap and cache hit rate over decode steps per policy")
+    pl = acts.add_parser("plot", help="PNG: expert load heatmap; cache hit rate and bytes copied per decode step, "
+                                      "per policy")
     pl.add_argument("path")
     pl.add_argument("--slots", type=int, required=True)
-    pl.add_argument("--policy", nargs="+", default=["lru", "random_oldest", "predictive", "adaptive", "belady"],
-                    choices=REPLAY_POLICIES)
+    pl.add_argument("--policy", nargs="+", default=list(REPLAY_POLICIES), choices=REPLAY_POLICIES,
+                    help="policies to replay (default: all, Belady included)")
     pl.add_argument("--prefetch", type=int, nargs="+", default=[0])
     _order_flags(pl)
     pl.add_argument("--out", default=".", help="an existing directory for expert_load.png and hit_rate.png")

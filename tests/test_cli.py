@@ -106,7 +106,10 @@ def test_trace_record_replay_stats_plot(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "belady" in out and "hit_rate" in out
     assert main(["trace", "stats", t]) == 0
-    assert '"recall_at_K"' in capsys.readouterr().out
+    table = capsys.readouterr().out
+    assert "recall@K" in table and "\n   all " in table and "\nrandom " in table and "{" not in table
+    assert main(["trace", "stats", t, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["recall_at_K"] is not None
     assert main(["trace", "plot", t, "--slots", "8", "--decode", "--out", str(tmp_path)]) == 0
     from PIL import Image
 
@@ -528,3 +531,11 @@ def test_trace_record_refuses_a_width_beyond_the_experts(tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--width", "100"],
                        "width=100", "E=8")
+
+
+def test_trace_plot_replays_every_policy_replay_supports():
+    from moeflow.cli import build_parser
+    from moeflow.offload.trace import REPLAY_POLICIES
+
+    args = build_parser().parse_args(["trace", "plot", "t.jsonl", "--slots", "8"])
+    assert args.policy == list(REPLAY_POLICIES) and "adaptive_long" in args.policy

@@ -136,7 +136,9 @@ def test_cli_replay_prints_a_table(tmp_path, capsys):
     assert [(r["policy"], r["slots"], r["misses"]) for r in rows] == [("lru", 2, 8), ("belady", 2, 6),
                                                                         ("lru", 4, 4), ("belady", 4, 4)]
     assert trace_main(["stats", str(tmp_path / "c.jsonl")]) == 0
-    assert '"reuse_consecutive"' in capsys.readouterr().out
+    assert "reuse" in capsys.readouterr().out
+    assert trace_main(["stats", str(tmp_path / "c.jsonl"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["reuse_consecutive"] == 0.0
 
 
 @pytest.mark.parametrize("policy, prefetch", [("lru", 0), ("random_oldest", 2), ("predictive", 0),
