@@ -39,13 +39,15 @@ class UserError(Exception):
 
 
 def _cmd_demo(args: argparse.Namespace) -> int:
-    if args.ep:
+    if args.ep is not None:
         from .demo_ep import run_ep_demo
 
-        return int(run_ep_demo(expected_world=args.ep) or 0)
+        kwargs = {} if args.tokens is None else {"tokens": args.tokens}
+        return int(run_ep_demo(expected_world=args.ep, **kwargs) or 0)
     from .demo import run_demo
 
-    return int(run_demo(device=args.device, tokens=args.tokens) or 0)
+    kwargs = {} if args.tokens is None else {"tokens": args.tokens}
+    return int(run_demo(device=args.device, **kwargs) or 0)
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
@@ -186,8 +188,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("demo", help="run a tiny MoE model end to end and check it against transformers")
     d.add_argument("--device", default=None, help="cpu or cuda (default: cuda when available)")
-    d.add_argument("--tokens", type=int, default=32, help="tokens to generate (default 32)")
-    d.add_argument("--ep", type=int, default=0, help="expert parallel over N ranks (launch with torchrun)")
+    d.add_argument("--tokens", type=int, default=None,
+                   help="tokens to generate, within the model's context (default 32; 12 per rank with --ep)")
+    d.add_argument("--ep", type=int, default=None,
+                   help="expert parallel over N >= 1 ranks (launch with torchrun --nproc-per-node N)")
     d.set_defaults(func=_cmd_demo)
 
     i = sub.add_parser("info", help="describe a checkpoint directory (config.json + safetensors), no weights loaded")

@@ -11,8 +11,9 @@ Mixtral-like CausalLM with fixed-seed weights (or take `model`: a callable
 returning a transformers model), save it as
 safetensors in a temporary directory, load it back with AutoModelForCausalLM, generate
 `tokens` tokens greedily with the unpatched model, patch it with moeflow, generate again
-with a tqdm bar, and print the per-layer expert load and whether the tokens agree.
-Runs in a few seconds on 2 CPU cores.
+(each generation with a tqdm bar), and print the per-layer expert load and whether the tokens agree.
+Runs in a few seconds on 2 CPU cores. `tokens` must fit the model's context with the
+prompt (max_position_embeddings; refused by name otherwise, before the model is built).
 
 Legend: E routed experts, K picks per token, H hidden size.
 """
@@ -136,6 +137,8 @@ def run_demo_result(
         model = EMBEDDED_MODEL if (EMBEDDED_MODEL / "config.json").is_file() else "random"
     if model == "random":
         model = None
+    if not callable(model):  # a callable's model is known once built: checked before generating
+        _check_tokens(tokens, *_context_and_prompt(model))
     threads = torch.get_num_threads()
     if device.type == "cpu":
         # The tiny model's matrices are a few KB: extra CPU threads only add sync overhead
@@ -147,21 +150,48 @@ def run_demo_result(
         torch.set_num_threads(threads)
 
 
+def _context_and_prompt(model: str | os.PathLike | None) -> tuple[int | None, int]:
+    """(the model's context, the demo prompt's length in tokens) without building the model.
+
+    model: None (the random tiny Mixtral) or a checkpoint directory (its config.json is read).
+    """
+    if model is None:
+        return int(DEMO_CONFIG["max_position_embeddings"]), PROMPT_LEN
+    from .inspect import load_config
+
+    cfg = load_config(Path(model)).get_text_config()
+    return _config_context_and_prompt(cfg)
+
+
+def _config_context_and_prompt(text_config) -> tuple[int | None, int]:
+    context = getattr(text_config, "max_position_embeddings", None)
+    byte_level = int(text_config.vocab_size) == 256 + _BYTE_OFFSET
+    return (None if context is None else int(context)), (len(EMBEDDED_PROMPT.encode()) if byte_level else PROMPT_LEN)
+
+
+def _check_tokens(tokens: int, context: int | None, prompt_len: int) -> None:
+    """ValueError when the prompt and `tokens` new tokens do not fit the model's context."""
+    if context is not None and prompt_len + tokens > context:
+        raise ValueError(f"tokens={tokens}: the prompt's {prompt_len} tokens + {tokens} new ones exceed the model's "
+                         f"context of {context} (max_position_embeddings); expected at most "
+                         f"{max(0, context - prompt_len)} tokens")
+
+
 def _resolve_device(device: str | torch.device | None) -> torch.device:
     """`device`, or cuda when available, else cpu; ValueError before any model is built when it cannot run."""
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     try:
         dev = torch.device(device)
-    except (RuntimeError, ValueError, TypeError) as exc:
-        raise ValueError(f"device={device!r}: not a torch device ({exc}); expected 'cpu' or 'cuda'") from exc
+    except (RuntimeError, ValueError, TypeError):
+        raise ValueError(f"device={device!r}: unknown device; expected 'cpu' or 'cuda'") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise ValueError(f"device={device!r}: the demo does not run on {dev.type!r} devices; expected 'cpu' or 'cuda'")
     if dev.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"device={device!r}: CUDA is not available on this machine; expected 'cpu' "
                          f"(or no --device: cuda when available, else cpu)")
     if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
         raise ValueError(f"device={device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
-    if dev.type not in ("cpu", "cuda"):
-        raise ValueError(f"device={device!r}: expected 'cpu' or 'cuda'")
     return dev
 
 
@@ -209,6 +239,7 @@ def _generate_and_compare(out, device: torch.device, loaded, *, tokens: int, exp
     from .hf import patch_model
 
     vocab = int(loaded.config.get_text_config().vocab_size)
+    _check_tokens(tokens, *_config_context_and_prompt(loaded.config.get_text_config()))
     byte_level = _is_byte_level(loaded)
     if byte_level:
         prompt_1S = torch.tensor([[b + _BYTE_OFFSET for b in EMBEDDED_PROMPT.encode()]], device=device)
@@ -219,7 +250,7 @@ def _generate_and_compare(out, device: torch.device, loaded, *, tokens: int, exp
         out(f"prompt ids: {prompt_1S[0].tolist()}")
 
     t0 = time.perf_counter()
-    ref = _generate(loaded, prompt_1S, tokens)
+    ref = _generate(loaded, prompt_1S, tokens, streamer=_TqdmStreamer(tokens, "unpatched generate"))
     t_ref = time.perf_counter() - t0
 
     report = patch_model(loaded, experts=experts)

@@ -52,7 +52,13 @@ def run_ep_demo(
     mode:           "all_to_all" (each rank its own prompt) or "all_reduce" (one prompt).
     tokens:         new tokens generated per rank.
     timeout_s:      process-group and per-collective timeout (a dead rank fails, not hangs).
+
+    ValueError, before any process group starts, for an expected_world that is not an int
+    >= 1 or tokens that do not fit the demo model's context with the longest rank's prompt.
     """
+    if expected_world is not None and (isinstance(expected_world, bool) or not isinstance(expected_world, int)
+                                       or expected_world < 1):
+        raise ValueError(f"--ep={expected_world!r}: expected an int >= 1 (the number of ranks torchrun starts)")
     world = _env_int("WORLD_SIZE")
     rank = _env_int("RANK")
     if world is None or rank is None:
@@ -64,6 +70,11 @@ def run_ep_demo(
         raise ValueError(f"moeflow demo --ep {expected_world}: torchrun started {world} ranks (--nproc-per-node)")
     from .demo import DEMO_CONFIG
 
+    context = int(DEMO_CONFIG["max_position_embeddings"])
+    longest = prompt_len + (world - 1 if mode == "all_to_all" else 0)  # rank r's prompt: prompt_len + r tokens
+    if isinstance(tokens, bool) or not isinstance(tokens, int) or not 1 <= tokens <= context - longest:
+        raise ValueError(f"tokens={tokens!r}: expected an int in [1, {context - longest}] (the demo model's context "
+                         f"of {context} minus the longest prompt, {longest} tokens)")
     E = int(DEMO_CONFIG["num_local_experts"])
     if E % world:
         raise ValueError(f"moeflow demo --ep {world}: the demo model's E={E} experts do not split over {world} ranks")

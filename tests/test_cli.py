@@ -86,8 +86,10 @@ def test_debug_shows_the_traceback(tmp_path):
 
 def test_demo_runs_and_matches(capsys):
     assert main(["demo", "--tokens", "8"]) == 0
-    out = capsys.readouterr().out
-    assert "identical to the unpatched model: yes" in out
+    captured = capsys.readouterr()
+    assert "identical to the unpatched model: yes" in captured.out
+    # both generations show a progress bar (a long --tokens is no silent wait)
+    assert "unpatched generate" in captured.err and "moeflow generate" in captured.err
 
 
 def test_trace_record_replay_stats_plot(tmp_path, capsys):
@@ -510,6 +512,11 @@ def test_a_fifo_is_refused_as_a_trace_and_as_a_text(tmp_path, capsys, checkpoint
                            "--text", "is a FIFO")
 
 
+def test_demo_refuses_tokens_beyond_the_context(capsys):
+    _assert_user_error(capsys, ["demo", "--tokens", "99999999999"], "tokens=99999999999",
+                       "context of 512", "expected at most 478")
+
+
 def test_trace_record_refuses_more_tokens_than_its_text(tmp_path, capsys, monkeypatch, checkpoint_copy):
     monkeypatch.chdir(tmp_path)
     _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--tokens", "99999999999"],
@@ -531,6 +538,16 @@ def test_trace_record_refuses_a_width_beyond_the_experts(tmp_path, capsys, monke
     monkeypatch.chdir(tmp_path)
     _assert_user_error(capsys, ["trace", "record", "ck", "--out", "t.jsonl", "--width", "100"],
                        "width=100", "E=8")
+
+
+def test_demo_refuses_an_unknown_device_without_a_gpu_hint(capsys):
+    line = _assert_user_error(capsys, ["demo", "--device", "tpu"], "device='tpu'", "unknown device")
+    assert "GPU" not in line and "hint" not in line
+
+
+def test_demo_refuses_zero_tokens_in_one_clean_line(capsys):
+    line = _assert_user_error(capsys, ["demo", "--tokens", "0"], "tokens=0: expected an int >= 1")
+    assert "hint" not in line
 
 
 def test_trace_plot_replays_every_policy_replay_supports():

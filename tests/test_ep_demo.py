@@ -17,3 +17,12 @@ def test_torchrun_ep_demo_two_ranks():
     assert proc.returncode == 0, out[-3000:]
     assert "OK: every rank generated the unsharded model's tokens" in out
     assert "rank 1: experts 4..7" in out
+
+
+def test_ep_0_is_refused_in_one_line(capsys):
+    """`moeflow demo --ep 0` is no silent single-process demo: exit 2, one line naming --ep."""
+    from moeflow.cli import main
+
+    assert main(["demo", "--ep", "0"]) == 2
+    err = capsys.readouterr().err
+    assert err.splitlines() == [err.strip()] and "moeflow demo: error: --ep=0: expected an int >= 1" in err
