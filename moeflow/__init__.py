@@ -7,11 +7,15 @@ without Triton or transformers loaded):
     MoEConfig, MoELayer, patch_model, PatchReport
     KernelOptions, KernelPlan, plan_step     (which kernel runs, and what a caller may choose)
     OffloadConfig
+
+`import moeflow` also makes `from_pretrained(..., experts_implementation="moeflow")` work: the
+name is registered with transformers' experts interface as soon as transformers loads it
+(transformers is not imported here; the experts code loads on the first call).
 """
 
 from __future__ import annotations
 
-from ._lazy import lazy_exports
+from ._lazy import after_import, lazy_exports
 
 __version__ = "0.1.0"
 
@@ -49,3 +53,24 @@ __all__ = sorted(_EXPORTS) + ["__version__"]
 
 
 __getattr__, __dir__ = lazy_exports("moeflow", globals(), _EXPORTS)
+
+
+def _register_experts_interface(moe_module) -> None:
+    """Register "moeflow" with transformers.integrations.moe's ExpertsInterface (once transformers loads it).
+
+    The registered function imports moeflow.hf.interface on its first call; `import moeflow.hf`
+    registers that module's function itself.
+    """
+    interface = getattr(moe_module, "ExpertsInterface", None)
+    if interface is None or "moeflow" in getattr(interface, "_global_mapping", {}):
+        return
+
+    def moeflow_experts(self, *args, **kwargs):
+        from .hf.interface import moeflow_experts_forward
+
+        return moeflow_experts_forward(self, *args, **kwargs)
+
+    interface.register("moeflow", moeflow_experts)
+
+
+after_import("transformers.integrations.moe", _register_experts_interface)

@@ -15,8 +15,10 @@ Modules, one concern each:
                one CUDA graph (the host time of a patched step gone); enable_layer_graphs:
                each MoE layer step of an eager forward replayed from a per-T graph.
 
-`import moeflow.hf` registers "moeflow" in transformers' experts interface (an explicit
-call of `register_experts_interface()`, a no-op where transformers has no interface).
+`import moeflow` registers "moeflow" in transformers' experts interface once transformers
+loads it (without importing transformers itself); `import moeflow.hf` registers this
+package's function directly (an explicit call of `register_experts_interface()`, a no-op
+where transformers has no interface).
 """
 
 from __future__ import annotations

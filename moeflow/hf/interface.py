@@ -1,7 +1,8 @@
 """transformers' experts interface: `from_pretrained(..., experts_implementation="moeflow")`.
 
 `register_experts_interface()` registers "moeflow" with transformers' ExpertsInterface
-(where the installed transformers has one); `import moeflow.hf` calls it. Under HF's own
+(where the installed transformers has one); `import moeflow.hf` calls it, and `import
+moeflow` registers a stand-in that loads this module on its first call. Under HF's own
 routing, the experts of every family that uses the interface then run through moeflow's
 dispatch, experts and combine (`run_experts`).
 
