@@ -35,22 +35,61 @@ needs_gluon = pytest.mark.skipif(not _gluon_tools(), reason="triton with Gluon a
                                                              "not installed")
 
 
-def test_rows_and_devices_it_serves():
-    from moeflow.experts.triton_ws import ws_device_ok, ws_rows_ok
+def _dsv3_fp8(T: int = 8192, **kw):
+    from moeflow.experts.plan import StepShape
 
-    assert ws_rows_ok(torch.empty(4, 64, dtype=torch.bfloat16), torch.bfloat16)
-    assert not ws_rows_ok(torch.empty(4, 60, dtype=torch.bfloat16), torch.bfloat16)  # 120-byte rows
-    assert not ws_rows_ok(torch.empty(4, 64), torch.bfloat16)
-    assert ws_device_ok(torch.empty(4, 4)) is False  # the interpreter never gets a Gluon launch
+    return StepShape(fmt="fp8_block", dtype="bfloat16", num_experts=256, tiling_experts=256, hidden_size=7168,
+                     intermediate_size=2048, top_k=8, tokens=T, pairs=T * 8, group=128, scale_block_n=128, **kw)
 
 
-def test_fp8_ws_gate_up_stages():
-    from moeflow.experts.triton_ws import fp8_ws_gate_up_stages
+def _gluon_tiles():
+    from moeflow.tuning import GemmTile, MoETileConfig
 
-    assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "silu") == 5  # 5 stages of 40 KB
-    assert fp8_ws_gate_up_stages(64, 64, 128, 7168, 2048, 128, "silu") is None  # a tile is one 128-column group
-    assert fp8_ws_gate_up_stages(128, 128, 128, 7168, 2048, 128, "silu") is None  # BM 64 plans only
-    assert fp8_ws_gate_up_stages(64, 128, 128, 7168, 2048, 128, "relu2") is None  # no Gluon form of it
+    return MoETileConfig(block_m=64, gate_up=GemmTile(block_n=128, block_k=128, num_warps=8, num_stages=4, group_m=16),
+                         down=GemmTile(block_n=128, block_k=128, num_warps=4, num_stages=4, group_m=16))
+
+
+def test_where_the_plan_runs_it():
+    """The plan's fp8_gluon variant: Hopper with Gluon, f32 scales, 16-byte rows for the producer's cp.async,
+    never the batch-invariant mode or the interpreter; on an H100 at deepseek-v3 T = 8192 the rule takes it."""
+    import dataclasses
+
+    from moeflow.experts.plan import NAMED_DEVICES, plan_step
+
+    h100 = NAMED_DEVICES["h100"]
+
+    def gate_up(shape, device=h100):
+        p = plan_step(shape, device, tile_config=_gluon_tiles())
+        return p.stage("gate_up").variant, dict(((st, n), w) for st, n, w in p.refused)
+
+    assert gate_up(_dsv3_fp8())[0] == "fp8_gluon"
+    v, why = gate_up(_dsv3_fp8(scale_f32=False))
+    assert v == "fp8_tma" and why[("gate_up", "fp8_gluon")] == "UE8M0 weight scales"
+    v, why = gate_up(dataclasses.replace(_dsv3_fp8(), hidden_size=7168 + 16))  # BK 128 must divide H
+    assert v != "fp8_gluon" and "BK" in why[("gate_up", "fp8_gluon")]
+    v, why = gate_up(_dsv3_fp8(batch_invariant=True))
+    assert v != "fp8_gluon" and "batch-invariant" in why[("gate_up", "fp8_gluon")]
+    for dev in (NAMED_DEVICES["a100"], NAMED_DEVICES["cpu"]):  # no Gluon launch before sm_90 or in the interpreter
+        v, why = gate_up(_dsv3_fp8(), dev)
+        assert v != "fp8_gluon" and "sm_90" in why[("gate_up", "fp8_gluon")]
+
+
+def test_fp8_gluon_gate_up_stages():
+    import dataclasses
+
+    from moeflow.experts.options import KernelOptions
+    from moeflow.experts.plan import NAMED_DEVICES, Ctx, gluon_gate_up_stages
+    from moeflow.tuning.rules import load_rules
+
+    def stages(tiles, shape=None):
+        return gluon_gate_up_stages(Ctx(shape or _dsv3_fp8(), NAMED_DEVICES["h100"], KernelOptions(), tiles,
+                                        load_rules()))
+
+    t = _gluon_tiles()
+    assert stages(t) == 5  # 5 stages of (64 + 256) x 128 bytes in 200 KB
+    assert stages(dataclasses.replace(t, gate_up=dataclasses.replace(t.gate_up, block_n=64))) is None  # one group
+    assert stages(dataclasses.replace(t, block_m=128)) is None  # BM 64 plans only
+    assert stages(t, dataclasses.replace(_dsv3_fp8(), scale_block_n=64)) is None  # 128 | bn
 
 
 @needs_gluon
@@ -60,8 +99,8 @@ def test_fp8_ws_gate_up_compiles_with_the_scaling_off_the_other_consumer(act):
     wait, 4 m64 x 128 x k32 e4m3 wgmmas (gate 64 | up 64 columns), their wait, one release and 64 FFMAs with no
     select left (the gate / up scale is static per register), warp-group barriers only; the producer warp
     group's row copies are fenced before the hand-over."""
-    from benchmarks.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
     from moeflow.kernels.moe_gemm_fp8_gluon import moe_gate_up_fp8_ws_kernel
+    from tools.sass_mix import compile_kernel, gluon_desc_type, gmma_loop, opcode_mix, sass_text
 
     types = dict(xq_ptr="*fp8e4nv", xs_ptr="*fp32", wd=gluon_desc_type("fp8e4nv", [64, 128]), ws_ptr="*fp32",
                  aq_ptr="*fp8e4nv", as_ptr="*fp32", sorted_ptr="*i32", block_expert_ptr="*i32", limit="fp32",
@@ -83,32 +122,50 @@ def test_fp8_ws_gate_up_compiles_with_the_scaling_off_the_other_consumer(act):
 
 
 @needs_gluon
-@pytest.mark.parametrize("grid", [False, True])
-def test_ws_tile_grid_launches_one_cta_a_tile(grid, monkeypatch):
-    """triton_ws.WS_TILE_GRID: the launcher's grid (and NUM_PROGS, the kernel's tile stride) is every tile the
-    used blocks could have (max_blocks x column tiles), else the SM count; recorded from the launch (the kernel
-    replaced by a recorder: no GPU here)."""
-    import moeflow.experts.triton_ws as TW
+def test_the_launcher_runs_one_cta_a_tile(monkeypatch):
+    """The launcher's grid (and NUM_PROGS, the kernel's tile stride) is every tile the used blocks could have
+    (max_blocks x 128-column groups), so the hardware hands tiles out in order as CTAs finish and the CTAs sharing a
+    weight box run together; recorded from the launch (the kernel replaced by a recorder: no GPU here)."""
+    import dataclasses
+
+    import moeflow.experts.fused as F
     import moeflow.kernels.moe_gemm_fp8_gluon as K8
+    from moeflow.experts.plan import NAMED_DEVICES, StepShape, plan_step
+    from moeflow.tuning.rules import load_rules
 
     launches = []
 
     class Recorder:
         def __getitem__(self, grid_):
             def launch(*args, **kw):
-                launches.append((grid_, kw["NUM_PROGS"]))
+                launches.append((grid_, kw["NUM_PROGS"], kw["STAGES"]))
             return launch
 
     monkeypatch.setattr(K8, "moe_gate_up_fp8_ws_kernel", Recorder())
-    monkeypatch.setattr(TW, "WS_TILE_GRID", grid)
-    E, H, I, P, N, max_blocks, sms = 4, 512, 256, 640, 600, 10, 132
+    E, H, I, K, T = 4, 512, 256, 2, 300
+    shape = StepShape(fmt="fp8_block", dtype="bfloat16", num_experts=E, tiling_experts=E, hidden_size=H,
+                      intermediate_size=I, top_k=K, tokens=T, pairs=T * K, group=128, scale_block_n=128)
+    rules = dataclasses.replace(load_rules(), fp8_gluon_gate_up_min_hidden=512)  # the rule at this small H
+    plan = plan_step(shape, NAMED_DEVICES["h100"], tile_config=_gluon_tiles(), rules=rules)
+    st = plan.stage("gate_up")
+    assert st.variant == "fp8_gluon"
     f8 = torch.float8_e4m3fn
-    i32 = torch.zeros(P, dtype=torch.int32)
-    # one 128-column group a tile -> 256 / 128 = 2 column tiles a block
-    TW.launch_gate_up_fp8_ws(torch.zeros(N, H, dtype=f8), torch.zeros(N, H // 128), torch.zeros(E, 2 * I, H, dtype=f8),
-                             torch.zeros(E, 2 * I // 128, H // 128), torch.zeros(P, I, dtype=f8),
-                             torch.zeros(P, I // 128), i32, i32, N, 1, max_blocks, 128, 128, 5, "silu", 0.0, 1.0, 8,
-                             sms)
-    want = [max_blocks * 2] if grid else [sms]
-    assert [g[0] for g, _ in launches] == want, launches
-    assert [n for _, n in launches] == want, launches
+
+    class B:  # the step's buffers the launcher reads
+        xq, xs = torch.zeros(T, H, dtype=f8), torch.zeros(T, H // 128)
+        aq_PI, as_PG = torch.zeros(plan.padded, I, dtype=f8), torch.zeros(plan.padded, I // 128)
+        sorted_P = block_expert_B = torch.zeros(plan.padded, dtype=torch.int32)
+        N, top_k_div = T * K, K
+
+    class W:
+        gate_up, gate_up_scale = torch.zeros(E, 2 * I, H, dtype=f8), torch.zeros(E, 2 * I // 128, H // 128)
+
+        class quant:
+            block = (128, 128)
+
+    class C:
+        swiglu_limit, gptoss_alpha, activation = None, 1.702, "silu"
+
+    F.launch_gate_up_fp8_gluon(plan, st, B, W, C)
+    want = plan.max_blocks * (I // 128)
+    assert launches == [((want,), want, st.get("stages"))], launches

@@ -37,24 +37,23 @@ from .launch import FastKernel, fast_kernel
 from .pdl import pdl_trigger, pdl_wait
 
 # The largest N done in one program, and the multi-kernel schedule's smallest chunk and most
-# chunks. From benchmarks/diag_align.py on the H200 (CUDA graph replays, 2026-12-03): the one
-# program's serial scatter (N / SUB steps) took 145 us at N = 2048 where count/scan/scatter with
-# 256-pair chunks took 33 us (46 vs 31 us at N = 512, 6.4 vs 10 us at N = 8: three launches);
-# 256-pair chunks were fastest up to N = 16384 (52 vs 93 us with 1024), 512-pair ones at
-# 49152-65536 (the one-program scan over chunks grew with their count; the place kernel that
-# replaced it sums the histograms ALIGN_ROWS chunks at a time in every program).
+# chunks. H200, CUDA graph replays (`python tools/diag_align.py`: its "one" and "multi" variants):
+# the one program's serial scatter (N / SUB steps) takes 145 us at N = 2048 where the multi-kernel
+# schedule with 256-pair chunks takes 33 us (46 vs 31 us at N = 512; 6.4 vs 10 us at N = 8, where the
+# launches dominate); 256-pair chunks are fastest up to N = 16384 (52 vs 93 us with 1024), 512-pair
+# ones at 49152-65536.
 ALIGN_FUSED_MAX = 256
 # Up to this many pairs the small kernel (pairwise comparisons, no E-wide histogram) places them:
-# the fused kernel's one program took 5.8-7.7 us at decode under ncu (qwen3 / deepseek-v3 T = 1,
-# 2026-12-03) for ~100 active cycles, a chain of dependent steps over E_PAD bins. The small kernel
-# (H200, 2026-12-04, benchmarks/diag_align.py, graph replay us): 4.1-4.7 against the fused kernel's
-# 6.2-8.4 at N = 4..32, 6.4 against 11.3-14.9 at N = 64; in a CUDA-graph timeline 1.7 us at N = 8.
+# at decode the fused kernel's one program is a chain of dependent steps over E_PAD bins (~100 active
+# cycles at qwen3 / deepseek-v3 T = 1). H200, graph replay us (`python tools/diag_align.py`:
+# "default" against "no-small"): the small kernel 4.1-4.7 against the fused kernel's 6.2-8.4 at
+# N = 4..32, 6.4 against 11.3-14.9 at N = 64.
 ALIGN_SMALL_MAX = 64
 # The small kernel's (warps, elements of its [BB, NP] block-owner matrix a step: BB = elements // NP) by
-# NP, the pairs padded to a power of two >= 16. H200, benchmarks/diag_align.py (2026-12-04, graph us
-# with the replay's overhead): NP = 64 8.0 us at (4, 2048), 6.4 at (8, 8192) (its [NP, NP] matrices
-# held 167 registers a thread with 4 warps, 96 with 8); NP <= 32 best at (4, 2048) (4.1-4.3 us, the
-# others 4.3-5.2).
+# NP, the pairs padded to a power of two >= 16. H200, graph us with the replay's overhead
+# (`python tools/diag_align.py`: its "small w* bb*" variants): NP = 64 8.0 us at (4, 2048), 6.4 at
+# (8, 8192) (its [NP, NP] matrices hold 167 registers a thread with 4 warps, 96 with 8); NP <= 32 best
+# at (4, 2048) (4.1-4.3 us, the others 4.3-5.2).
 ALIGN_SMALL_LAUNCH = {16: (4, 2048), 32: (4, 2048), 64: (8, 8192)}
 ALIGN_CHUNK = 256
 ALIGN_MAX_CHUNKS = 128
@@ -173,7 +172,7 @@ def moe_align_small_kernel(ids_ptr, sorted_ptr, block_expert_ptr, N, E, max_bloc
     first), position start * BM + rank. The used blocks' slots are first filled with N (padding,
     FB slots a step), then, after a barrier, each valid pair stores its index at its position;
     blocks are written from a [BB, NP] comparison. Why fill-then-scatter: a [slots, NP] search
-    for each slot's pair costs (N + E) * BM / NP steps, 70 us at N = 64, BM = 64 on the H200.
+    for each slot's pair costs (N + E) * BM / NP steps.
     """
     pdl_wait(PDL)
     pdl_trigger(PDL)

@@ -50,6 +50,21 @@ def _tile_ids(pid, num_m, num_n, GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def tile_pairs(sorted_ptr, p0, num_pairs, BLOCK_M: tl.constexpr):
+    """(offs_p, pair, row_ok) [BM]: the padded positions p0 .. p0+BM-1, the pair each holds (sorted_P) and
+    whether it holds one (a padding slot holds num_pairs, moe_align.py)."""
+    offs_p = p0 + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_ptr + offs_p)
+    return offs_p, pair, pair < num_pairs
+
+
+@triton.jit
+def pair_tokens(pair, row_ok, top_k):
+    """int64 [BM]: the token row of each pair (pair // top_k), 0 for padding slots (their loads are masked)."""
+    return tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+
+
+@triton.jit
 def _activate(g, u, limit, alpha, ACT: tl.constexpr):
     if ACT == 2:
         g = tl.minimum(g, limit)
@@ -65,6 +80,78 @@ def _activate(g, u, limit, alpha, ACT: tl.constexpr):
     else:
         out = g * tl.sigmoid(g) * u
     return out
+
+
+@triton.jit
+def load_rows_k(ptrs, row_ok, k_ok, EVEN_K: tl.constexpr):
+    """An activation tile [rows, BK]: zeros in the rows without a pair (row_ok false) and, unless EVEN_K
+    (BK divides the reduction, so every K step is whole), in the columns past it (k_ok false)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=row_ok[:, None], other=0.0)
+    return tl.load(ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+
+
+@triton.jit
+def load_k_cols(ptrs, col_ok, k_ok, EVEN_K: tl.constexpr):
+    """A weight tile [BK, cols]: zeros in the columns past the output (col_ok false) and, unless EVEN_K,
+    in the rows past the reduction (k_ok false)."""
+    if EVEN_K:
+        return tl.load(ptrs, mask=col_ok[None, :], other=0.0)
+    return tl.load(ptrs, mask=col_ok[None, :] & k_ok[:, None], other=0.0)
+
+
+@triton.jit
+def split_interleaved(acc, b_base, offs_c, c_ok, HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr):
+    """(g, u) [BM, BN] from acc [BM, 2BN] f32 whose columns interleave gate and up (gpt-oss: gate 2j, up
+    2j + 1); with HAS_BIAS the interleaved bias (b_base + offs_c, masked by c_ok) joins acc first."""
+    if HAS_BIAS:
+        bias = tl.load(b_base + offs_c, mask=c_ok, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
+    return tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+
+
+@triton.jit
+def add_gate_up_bias(g, u, b_base, offs_j, j_ok, I, HAS_BIAS: tl.constexpr):
+    """(g, u) [BM, BN] f32 plus, with HAS_BIAS, the expert's gate bias b_base[j] and up bias b_base[I + j]
+    for the columns offs_j (masked by j_ok)."""
+    if HAS_BIAS:
+        bg = tl.load(b_base + offs_j, mask=j_ok, other=0.0)
+        bu = tl.load(b_base + I + offs_j, mask=j_ok, other=0.0)
+        g += bg.to(tl.float32)[None, :]
+        u += bu.to(tl.float32)[None, :]
+    return g, u
+
+
+@triton.jit
+def store_act_rows(out, act_ptr, offs_p, offs_j, row_ok, I, stride_ap):
+    """act_PI[p, j] = out [BM, BN] f32 in act's dtype, for the padded positions offs_p that hold a pair
+    (row_ok) and the columns offs_j inside I."""
+    act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
+    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
+
+
+@triton.jit
+def split_k_range(s, k_tiles_per_split, I, BLOCK_K: tl.constexpr):
+    """[k_lo, k_hi): the reduction range of split s of the down GEMM, k_tiles_per_split K tiles from a
+    multiple of BK the compiler can see (so the loads stay 16-byte wide)."""
+    k_lo = tl.multiple_of(s * k_tiles_per_split * BLOCK_K, BLOCK_K)
+    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, I)
+    return k_lo, k_hi
+
+
+@triton.jit
+def store_down_partial(acc, y_ptr, b_base, s, pair, row_ok, offs_h, h_ok, stride_ys, stride_yn,
+                       HAS_BIAS: tl.constexpr):
+    """y_SNH[s, pair, h] = acc [BM, BN] f32 in y's dtype, for the rows with a pair (row_ok) and the columns
+    offs_h inside H (h_ok); with HAS_BIAS the expert's bias b_base[h] joins split 0's f32 sum before the
+    rounding."""
+    if HAS_BIAS:
+        if s == 0:
+            bias = tl.load(b_base + offs_h, mask=h_ok, other=0.0)
+            acc += bias.to(tl.float32)[None, :]
+    y_ptrs = y_ptr + s.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
+    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
 
 
 @triton.jit
@@ -87,20 +174,13 @@ def gate_up_rows(
         w_ptrs = w_base + offs_c[None, :] * stride_wn + offs_k[:, None] * stride_wk
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                w = tl.load(w_ptrs, mask=c_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                w = tl.load(w_ptrs, mask=c_ok[None, :] & k_ok[:, None], other=0.0)
+            k_ok = offs_k + k0 < H  # read only when not EVEN_K
+            a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+            w = load_k_cols(w_ptrs, c_ok, k_ok, EVEN_K)
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            bias = tl.load(b_base + offs_c, mask=c_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        g, u = split_interleaved(acc, b_base, offs_c, c_ok, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         j_ok = offs_j < I
         wg_ptrs = w_base + offs_j[None, :] * stride_wn + offs_k[:, None] * stride_wk
@@ -108,25 +188,16 @@ def gate_up_rows(
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
-                wu = tl.load(wu_ptrs, mask=j_ok[None, :], other=0.0)
-            else:
-                k_ok = offs_k + k0 < H
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-                wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            k_ok = offs_k + k0 < H  # read only when not EVEN_K
+            a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+            wg = load_k_cols(wg_ptrs, j_ok, k_ok, EVEN_K)
+            wu = load_k_cols(wu_ptrs, j_ok, k_ok, EVEN_K)
             g = tl.dot(a, wg, g, input_precision=PRECISION)
             u = tl.dot(a, wu, u, input_precision=PRECISION)
             a_ptrs += BLOCK_K
             wg_ptrs += BLOCK_K * stride_wk
             wu_ptrs += BLOCK_K * stride_wk
-        if HAS_BIAS:
-            bg = tl.load(b_base + offs_j, mask=j_ok, other=0.0)
-            bu = tl.load(b_base + I + offs_j, mask=j_ok, other=0.0)
-            g += bg.to(tl.float32)[None, :]
-            u += bu.to(tl.float32)[None, :]
+        g, u = add_gate_up_bias(g, u, b_base, offs_j, j_ok, I, HAS_BIAS)
     return _activate(g, u, limit, alpha, ACT)
 
 
@@ -145,16 +216,12 @@ def _gate_up_block(x_ptr, w_ptr, b_ptr, act_ptr, sorted_ptr, e, p0, pid_n, num_p
                    ACT: tl.constexpr, INTERLEAVED: tl.constexpr, HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr,
                    PRECISION: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """act_PI rows p0 .. p0+BM-1 (expert e), columns pid_n*BN.. of I."""
-    offs_p = p0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
-    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, p0, num_pairs, BLOCK_M)
+    tok = pair_tokens(pair, row_ok, top_k)
     out = gate_up_rows(x_ptr, tok, row_ok, w_ptr + e * stride_we, b_ptr + e * stride_be, pid_n, H, I,
                        stride_xt, stride_wn, stride_wk, limit, alpha, ACT, INTERLEAVED, HAS_BIAS, EVEN_K,
                        PRECISION, BLOCK_M, BLOCK_N, BLOCK_K)
-    offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
-    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
+    store_act_rows(out, act_ptr, offs_p, pid_n * BLOCK_N + tl.arange(0, BLOCK_N), row_ok, I, stride_ap)
 
 
 @fast_kernel
@@ -201,34 +268,23 @@ def _down_block(act_ptr, w_ptr, b_ptr, y_ptr, sorted_ptr, e, p0, pid_n, s, num_p
                 HAS_BIAS: tl.constexpr, EVEN_K: tl.constexpr, PRECISION: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """y_SNH[s] of the pairs at rows p0 .. p0+BM-1 (expert e), columns pid_n*BN.. of H."""
-    offs_p = p0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, p0, num_pairs, BLOCK_M)
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
-    k_lo = tl.multiple_of(s * k_tiles_per_split * BLOCK_K, BLOCK_K)
-    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, I)
+    k_lo, k_hi = split_k_range(s, k_tiles_per_split, I, BLOCK_K)
     offs_k = k_lo + tl.arange(0, BLOCK_K)
     a_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_k[None, :]
     w_ptrs = w_ptr + e * stride_we + offs_h[None, :] * stride_wn + offs_k[:, None] * stride_wk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k + (k0 - k_lo) < k_hi
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=h_ok[None, :] & k_ok[:, None], other=0.0)
+        k_ok = offs_k + (k0 - k_lo) < k_hi  # read only when not EVEN_K
+        a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+        w = load_k_cols(w_ptrs, h_ok, k_ok, EVEN_K)
         acc = tl.dot(a, w, acc, input_precision=PRECISION)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        if s == 0:
-            bias = tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-    y_ptrs = y_ptr + s.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+    store_down_partial(acc, y_ptr, b_ptr + e * stride_be, s, pair, row_ok, offs_h, h_ok, stride_ys, stride_yn,
+                       HAS_BIAS)
 
 
 @fast_kernel

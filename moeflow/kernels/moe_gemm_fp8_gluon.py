@@ -15,7 +15,7 @@ tests/test_experts_triton_quant.py::test_gpu_fp8_ws_kernels_equal_the_tma_kernel
 Why warp-specialised: in the Triton fp8 GEMMs each K step (one scale group) is a fresh wgmma chain whose
 product is scaled into the f32 sum: the warps wait for the wgmmas, pass a CTA barrier, then scale with FFMAs,
 all warp groups in lock step, so the tensor pipe idles while they scale (33-43% busy at prefill:
-`bash benchmarks/ncu_profile.sh OUT quant_fp8_prefill_t8192_deepseek_v3`). DeepGEMM's cure, written here: a
+`bash tools/ncu_profile.sh OUT quant_fp8_prefill_t8192_deepseek_v3`). DeepGEMM's cure, written here: a
 producer warp group fills a ring of shared-memory stages and two consumer warp groups share each tile, each
 waiting only for its own wgmmas and mbarriers, never a CTA barrier, so they drift out of phase and one's
 scaling overlaps the other's wgmmas. It pays where the K loop is long: deepseek-v3 (H = 7168, 56 K steps)

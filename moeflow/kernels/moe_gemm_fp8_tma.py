@@ -10,8 +10,9 @@ one byte a value) come by TMA, as in moe_gemm_tma.py; gate_up's activation rows 
 (pointer loads), down's are contiguous in aq_PI (TMA too).
 
 Why: the pointer kernels spend address registers and LSU issue slots on every weight tile; at
-prefill the FP8 GEMMs were at 28% of the tensor pipe (ncu, RESULTS.md 2026-12-03 third session),
-while issue 15 wants FP8 prefill 1.3x our bf16.
+deepseek-v3 T = 8192 their gate_up and down run the tensor pipe at 28% (H200:
+`bash tools/ncu_profile.sh OUT quant_fp8_prefill_t8192_deepseek_v3` with the case's experts built
+with tma=False).
 
 Constraints (the host checks): BN divides the scale block sbn (one weight scale a tile and K step),
 BK = G, BN | I and BK | H (gate_up), BN | H and BK | I (down), no bias, one split.
@@ -24,9 +25,9 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_gemm import _activate, _tile_ids
-from .moe_gemm_quant import _fp8_quant_store, _fp8_row_scale
-from .moe_gemm_tma import split_gate_up8
+from .moe_gemm import _activate, _tile_ids, pair_tokens, tile_pairs
+from .moe_gemm_quant import _fp8_gate_up_scales, _fp8_quant_store, _fp8_row_scale
+from .moe_gemm_tma import _down_store, split_gate_up8
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -57,26 +58,23 @@ def _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e,
                       stride_as, limit, alpha, ACT: tl.constexpr, SCALE_E8M0: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FUSED: tl.constexpr, IMPRECISE: tl.constexpr):
     """aq_PI / as_PG of block pid_m (expert e >= 0), columns pid_n*BN.. of I (_fp8_gate_up_tile's body)."""
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
-    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
+    tok = pair_tokens(pair, row_ok, top_k)
     a_ptrs = xq_ptr + tok[:, None] * stride_xq + tl.arange(0, BLOCK_K)[None, :]
     xs_ptrs = xs_ptr + tok * stride_xs
     row_g = e * (2 * I) + pid_n * BLOCK_N
     blk = (pid_n * BLOCK_N) // sbn
     sg_ptr = ws_ptr + e.to(tl.int64) * stride_wse + blk * stride_wsn
     su_ptr = sg_ptr + g_rows * stride_wsn
-    cg = _fp8_row_scale(xs_ptrs, sg_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
-    cu = _fp8_row_scale(xs_ptrs, su_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
+    cg, cu = _fp8_gate_up_scales(xs_ptrs, sg_ptr, su_ptr, 0, stride_wsk, row_ok, SCALE_E8M0)
     n_kt = H // BLOCK_K
     if FUSED:
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         is_g = ((tl.arange(0, 2 * BLOCK_N) // 8) % 2 == 0)[None, :]  # static per register: no select left
         for kt in range(0, n_kt):
-            kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
-            cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-            cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+            # the next step's scales, loaded ahead (in bounds)
+            cg_next, cu_next = _fp8_gate_up_scales(xs_ptrs, sg_ptr, su_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk,
+                                                   row_ok, SCALE_E8M0)
             a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
             w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, kt * BLOCK_K]), (2 * BLOCK_N, BLOCK_K))
             acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * tl.where(is_g, cg[:, None], cu[:, None])
@@ -87,9 +85,9 @@ def _fp8_gate_up_rows(xq_ptr, xs_ptr, wd, ws_ptr, aq_ptr, as_ptr, sorted_ptr, e,
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for kt in range(0, n_kt):
-            kn = tl.minimum(kt + 1, n_kt - 1)  # the next step's scales, loaded ahead (in bounds)
-            cg_next = _fp8_row_scale(xs_ptrs, sg_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
-            cu_next = _fp8_row_scale(xs_ptrs, su_ptr, kn, stride_wsk, row_ok, SCALE_E8M0)
+            # the next step's scales, loaded ahead (in bounds)
+            cg_next, cu_next = _fp8_gate_up_scales(xs_ptrs, sg_ptr, su_ptr, tl.minimum(kt + 1, n_kt - 1), stride_wsk,
+                                                   row_ok, SCALE_E8M0)
             a = tl.load(a_ptrs + kt * BLOCK_K, mask=row_ok[:, None], other=0.0)
             wg = wd.load([row_g, kt * BLOCK_K])
             wu = wd.load([row_g + I, kt * BLOCK_K])
@@ -115,7 +113,7 @@ def moe_gate_up_fp8_tma_kernel(
     """aq_PI / as_PG like moe_gemm_quant.moe_gate_up_fp8_kernel (QUANT_OUT, SCALAR_WS).
 
     wd: TensorDescriptor over the e4m3 gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the
-    5D view [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
+    5D view [E, I/8, 2, 8, H] (moe_gemm_tma.py's docstring), block [1, BN/8, 2, 8, BK].
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
@@ -152,9 +150,7 @@ def _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, p0, pid_n, num_
                    stride_as, stride_wse, stride_wsn, stride_wsk, stride_yn, SCALE_E8M0: tl.constexpr,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE: tl.constexpr):
     """y_NH of the pairs at rows p0 .. p0+BM-1 (expert e >= 0), columns pid_n*BN.. of H."""
-    offs_p = p0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, p0, num_pairs, BLOCK_M)
     as_ptrs = as_ptr + offs_p.to(tl.int64) * stride_as
     row_w = e * H + pid_n * BLOCK_N
     sw_ptr = ws_ptr + e.to(tl.int64) * stride_wse + ((pid_n * BLOCK_N) // sbn) * stride_wsn
@@ -167,9 +163,7 @@ def _fp8_down_rows(ad, as_ptr, wd, ws_ptr, y_ptr, sorted_ptr, e, p0, pid_n, num_
         w = wd.load([row_w, kt * BLOCK_K])
         acc += tl.dot(a, w.T, max_num_imprecise_acc=IMPRECISE) * c[:, None]
         c = c_next
-    offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    y_ptrs = y_ptr + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_h < H)[None, :])
+    _down_store(acc, y_ptr, pair, row_ok, pid_n, H, stride_yn, BLOCK_N)
 
 
 @triton.jit(do_not_specialize=["num_pairs", "num_m", "num_tiles"])

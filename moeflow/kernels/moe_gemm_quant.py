@@ -25,9 +25,8 @@ FP8 (W8A8), per the DeepSeek recipe and moeflow.quant.formats.quantize_fp8_activ
                (BN a multiple of G, so every group of I is whole inside one program)
     down       y = sum_kt dot_fp8(aq tile, Wq tile) * as[row, kt] * ws[col, kt]  (split-K parts)
 Every dot is fp8 x fp8 with f32 accumulation over one K tile; the scaled tiles are summed in f32.
-(The FP8 accuracy miss on the H200 was the reference's CUDA division, not these kernels: see
-moeflow.quant.formats.div_by_const. BM = 16 tiles compile the fp8 dots to fp16 mma.sync, BM >= 64
-to fp8 wgmma: both agreed with each other to 3 digits against the old reference.)
+The scales' divisions are IEEE divisions (div_rn), as moeflow.quant.formats.div_by_const computes them on
+every device. BM = 16 tiles compile the fp8 dots to fp16 mma.sync, BM >= 64 to fp8 wgmma.
 
 FP4 (W4A16: Hopper has no FP4 MMA): each packed tile is dequantized in the load path to the
 activations' dtype (bf16 / fp16) and fed to a bf16 / fp16 dot with f32 accumulation. MXFP4
@@ -47,7 +46,8 @@ which the fp16 -> f32 conversion keeps); the 2^14 is multiplied back in f32 befo
 select chain. On CUDA the same bits come from inline PTX (`_FP4_DECODE_PTX`, ASM=True): four packed
 bytes at once, two values per f16x2 word, so about half an integer operation per value plus the
 conversion; 1.15-1.31x faster GEMV and 1.09-1.28x faster MMA tiles at gpt-oss-120b on the H200
-(benchmarks/diag_quant_tiles.py, 2026-12-03), bit for bit the Triton decode.
+(the same tiles timed with the Triton decode on the GPU), bit for bit the Triton decode, which now
+serves the interpreter only.
 
 Same schedule as moe_gemm.py: grid (max_blocks * column tiles[, S]), programs of padding blocks
 (block_expert = -1) return at once, fixed sum orders, no atomics; the activation epilogue is
@@ -60,7 +60,19 @@ import triton
 import triton.language as tl
 
 from .launch import fast_kernel
-from .moe_gemm import _activate, _tile_ids
+from .moe_gemm import (
+    _activate,
+    _tile_ids,
+    add_gate_up_bias,
+    load_k_cols,
+    load_rows_k,
+    pair_tokens,
+    split_interleaved,
+    split_k_range,
+    store_act_rows,
+    store_down_partial,
+    tile_pairs,
+)
 from .pdl import pdl_trigger, pdl_wait
 
 # A jit function reads module globals only as constexpr.
@@ -107,7 +119,8 @@ def _fp4_decode(p):
 
 # The same decode as inline PTX, four packed bytes (eight values) per block: each f16x2 word takes
 # two shifts and a masked or for two values, where the Triton form above spends that per value
-# (the E2M1 decode was the GEMV's limiter: ncu 2026-12-03, 64% SM / 22% DRAM at gpt-oss T = 1).
+# (with the Triton decode, ASM off, the GEMV is ALU-bound at gpt-oss T = 1, 64% SM / 22% DRAM:
+# `bash tools/ncu_profile.sh OUT quant_mxfp4_gemv_t1_gpt_oss`).
 # From the input register W (bytes b0..b3, low byte first): f16x2 words a = (lo b0, lo b2),
 # b = (hi b0, hi b2), c = (lo b1, lo b3), d = (hi b1, hi b3), i.e. elements (0, 4), (1, 5), (2, 6),
 # (3, 7) of the word. Shared by the asm blocks below (W is their input operand).
@@ -190,6 +203,33 @@ def _w4_tile(w_ptrs, s_ptrs, w_mask, s_mask, FMT: tl.constexpr, ROWS: tl.constex
 
 
 @triton.jit
+def _w4_k_masks(offs_k, offs_kb, offs_kg, rest, G: tl.constexpr):
+    """(k_ok, kb_ok, kg_ok): which of a K step's elements (offs_k), packed bytes (offs_kb) and scale groups
+    (offs_kg) lie before the end of the reduction, `rest` elements from the step's start."""
+    return offs_k < rest, offs_kb < rest // 2, offs_kg < rest // G
+
+
+@triton.jit
+def _w4_tile_k(w_ptrs, s_ptrs, rows_ok, kb_ok, kg_ok, EVEN_K: tl.constexpr, FMT: tl.constexpr, ROWS: tl.constexpr,
+               BK: tl.constexpr, G: tl.constexpr, ASM: tl.constexpr):
+    """_w4_tile of one K step: zeros in the rows past the output (rows_ok false) and, unless EVEN_K, in the
+    bytes and scale groups past the reduction (kb_ok, kg_ok false: _w4_k_masks)."""
+    if EVEN_K:
+        return _w4_tile(w_ptrs, s_ptrs, rows_ok[:, None], rows_ok[:, None], FMT, ROWS, BK, G, ASM)
+    return _w4_tile(w_ptrs, s_ptrs, rows_ok[:, None] & kb_ok[None, :], rows_ok[:, None] & kg_ok[None, :], FMT,
+                    ROWS, BK, G, ASM)
+
+
+@triton.jit
+def _nvfp4_scale_gate_up(g, u, s2_ptr, e, stride_s2e, stride_s2g, FMT: tl.constexpr):
+    """NVFP4 (FMT 2): the gate and up sums times the expert's f32 scales s2[e, 0] and s2[e, 1]."""
+    if FMT == 2:
+        g = g * tl.load(s2_ptr + e * stride_s2e)
+        u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
+    return g, u
+
+
+@triton.jit
 def _fp8_quant_groups(v, AXIS: tl.constexpr):
     """(q float8e4nv like v, s f32 with AXIS reduced): per group along AXIS, s = max|v| / 448
     (1 for an all-zero group), q = e4m3(clamp(v / s, +-448)); IEEE divisions (div_rn), round to
@@ -212,6 +252,15 @@ def _fp8_row_scale(xs_row_ptrs, sw_ptr, kt, stride_wsk, row_ok, SCALE_E8M0: tl.c
     """
     sa = tl.load(xs_row_ptrs + kt, mask=row_ok, other=0.0)
     return sa * _fp8_scale(tl.load(sw_ptr + kt * stride_wsk), SCALE_E8M0)
+
+
+@triton.jit
+def _fp8_gate_up_scales(xs_row_ptrs, sg_ptr, su_ptr, kt, stride_wsk, row_ok, SCALE_E8M0: tl.constexpr):
+    """(cg, cu) [BM] f32: _fp8_row_scale of K tile kt for the gate columns (weight scales at sg_ptr) and
+    for the up columns (su_ptr)."""
+    cg = _fp8_row_scale(xs_row_ptrs, sg_ptr, kt, stride_wsk, row_ok, SCALE_E8M0)
+    cu = _fp8_row_scale(xs_row_ptrs, su_ptr, kt, stride_wsk, row_ok, SCALE_E8M0)
+    return cg, cu
 
 
 @triton.jit
@@ -274,7 +323,7 @@ def moe_gate_up_fp8_kernel(
     SCALAR_WS (BN divides sbn): one weight scale a tile and K step, acc + dot * (sa * sw) with the
     next step's scales loaded ahead (_fp8_row_scale); else (dot * sa) * sw per column.
     IMPRECISE: the dots' max_num_imprecise_acc (None: Triton's default, the fp8 wgmma accumulating a
-    whole K tile at its reduced precision; 32: an f32 sum every k32 step, benchmarks/fp8_mma_model.py).
+    whole K tile at its reduced precision; 32: an f32 sum every k32 step, tools/fp8_mma_model.py).
     """
     pdl_wait(PDL)  # moeflow/kernels/pdl.py: first, before any read
     pdl_trigger(PDL)
@@ -285,10 +334,8 @@ def moe_gate_up_fp8_kernel(
     if e < 0:
         return
     e = e.to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
-    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
+    tok = pair_tokens(pair, row_ok, top_k)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     j_ok = offs_j < I
     offs_k = tl.arange(0, BLOCK_K)
@@ -305,8 +352,7 @@ def moe_gate_up_fp8_kernel(
         blk = (pid_n * BLOCK_N) // sbn
         sg_ptrs = ws_base + blk * stride_wsn
         su_ptrs = ws_base + (g_rows + blk) * stride_wsn
-        cg = _fp8_row_scale(xs_ptrs, sg_ptrs, 0, stride_wsk, row_ok, SCALE_E8M0)
-        cu = _fp8_row_scale(xs_ptrs, su_ptrs, 0, stride_wsk, row_ok, SCALE_E8M0)
+        cg, cu = _fp8_gate_up_scales(xs_ptrs, sg_ptrs, su_ptrs, 0, stride_wsk, row_ok, SCALE_E8M0)
     else:
         sg_ptrs = ws_base + (offs_j // sbn) * stride_wsn
         su_ptrs = ws_base + (g_rows + offs_j // sbn) * stride_wsn
@@ -314,18 +360,13 @@ def moe_gate_up_fp8_kernel(
         cu = cg
     for kt in range(0, n_kt):
         if SCALAR_WS:
-            kn = tl.minimum(kt + 1, n_kt - 1)  # the last step re-reads its own scales (in bounds)
-            cg_next = _fp8_row_scale(xs_ptrs, sg_ptrs, kn, stride_wsk, row_ok, SCALE_E8M0)
-            cu_next = _fp8_row_scale(xs_ptrs, su_ptrs, kn, stride_wsk, row_ok, SCALE_E8M0)
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            wg = tl.load(wg_ptrs, mask=j_ok[None, :], other=0.0)
-            wu = tl.load(wu_ptrs, mask=j_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < H - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wg = tl.load(wg_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
-            wu = tl.load(wu_ptrs, mask=j_ok[None, :] & k_ok[:, None], other=0.0)
+            # the last step re-reads its own scales (in bounds)
+            cg_next, cu_next = _fp8_gate_up_scales(xs_ptrs, sg_ptrs, su_ptrs, tl.minimum(kt + 1, n_kt - 1),
+                                                   stride_wsk, row_ok, SCALE_E8M0)
+        k_ok = offs_k < H - kt * BLOCK_K  # read only when not EVEN_K
+        a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+        wg = load_k_cols(wg_ptrs, j_ok, k_ok, EVEN_K)
+        wu = load_k_cols(wu_ptrs, j_ok, k_ok, EVEN_K)
         # One K tile per dot, scaled into the f32 sum: the fp8 MMA's own accumulation never
         # runs past one scale block.
         if SCALAR_WS:
@@ -343,11 +384,7 @@ def moe_gate_up_fp8_kernel(
         a_ptrs += BLOCK_K
         wg_ptrs += BLOCK_K * stride_wk
         wu_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        bg = tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0)
-        bu = tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0)
-        g += bg.to(tl.float32)[None, :]
-        u += bu.to(tl.float32)[None, :]
+    g, u = add_gate_up_bias(g, u, b_ptr + e * stride_be, offs_j, j_ok, I, HAS_BIAS)
     out = _activate(g, u, limit, alpha, ACT)
     rows = offs_p.to(tl.int64)
     if QUANT_OUT:
@@ -381,9 +418,7 @@ def moe_down_fp8_kernel(
     if e < 0:
         return
     e = e.to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
     rows = offs_p.to(tl.int64)
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
@@ -407,13 +442,9 @@ def moe_down_fp8_kernel(
         if SCALAR_WS:
             c_next = _fp8_row_scale(as_ptrs, ws_ptrs, tl.minimum(kt + 1, kt_hi - 1), stride_wsk, row_ok,
                                     SCALE_E8M0)
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            w = tl.load(w_ptrs, mask=h_ok[None, :], other=0.0)
-        else:
-            k_ok = offs_k < I - kt * BLOCK_K
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            w = tl.load(w_ptrs, mask=h_ok[None, :] & k_ok[:, None], other=0.0)
+        k_ok = offs_k < I - kt * BLOCK_K  # read only when not EVEN_K
+        a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+        w = load_k_cols(w_ptrs, h_ok, k_ok, EVEN_K)
         if SCALAR_WS:
             acc += tl.dot(a, w, max_num_imprecise_acc=IMPRECISE) * c[:, None]
             c = c_next
@@ -423,12 +454,8 @@ def moe_down_fp8_kernel(
             acc += (tl.dot(a, w, max_num_imprecise_acc=IMPRECISE) * sa[:, None]) * sw[None, :]
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K * stride_wk
-    if HAS_BIAS:
-        if s_id == 0:
-            bias = tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-    y_ptrs = y_ptr + s_id.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+    store_down_partial(acc, y_ptr, b_ptr + e * stride_be, s_id, pair, row_ok, offs_h, h_ok, stride_ys, stride_yn,
+                       HAS_BIAS)
 
 
 # ------------------------------------------------------------------------------ FP4 W4A16
@@ -461,10 +488,8 @@ def moe_gate_up_w4_kernel(
     if e < 0:
         return
     e = e.to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
-    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
+    tok = pair_tokens(pair, row_ok, top_k)
     offs_j = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kb = tl.arange(0, BLOCK_K // 2)
@@ -479,24 +504,14 @@ def moe_gate_up_w4_kernel(
         s_ptrs = s_base + offs_c[:, None] * stride_sn + offs_kg[None, :] * stride_sk
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                wt = _w4_tile(w_ptrs, s_ptrs, c_ok[:, None], c_ok[:, None], FMT, 2 * BLOCK_N, BLOCK_K, G, ASM)
-            else:
-                k_ok = offs_k < H - k0
-                kb_ok = offs_kb < (H - k0) // 2
-                kg_ok = offs_kg < (H - k0) // G
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wt = _w4_tile(w_ptrs, s_ptrs, c_ok[:, None] & kb_ok[None, :], c_ok[:, None] & kg_ok[None, :],
-                              FMT, 2 * BLOCK_N, BLOCK_K, G, ASM)
+            k_ok, kb_ok, kg_ok = _w4_k_masks(offs_k, offs_kb, offs_kg, H - k0, G)  # read only when not EVEN_K
+            a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+            wt = _w4_tile_k(w_ptrs, s_ptrs, c_ok, kb_ok, kg_ok, EVEN_K, FMT, 2 * BLOCK_N, BLOCK_K, G, ASM)
             acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K // 2 * stride_wk
             s_ptrs += BLOCK_K // G * stride_sk
-        if HAS_BIAS:
-            bias = tl.load(b_ptr + e * stride_be + offs_c, mask=c_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-        g, u = tl.split(tl.reshape(acc, (BLOCK_M, BLOCK_N, 2)))
+        g, u = split_interleaved(acc, b_ptr + e * stride_be, offs_c, c_ok, HAS_BIAS, BLOCK_M, BLOCK_N)
     else:
         j_ok = offs_j < I
         wg_ptrs = w_base + offs_j[:, None] * stride_wn + offs_kb[None, :] * stride_wk
@@ -506,19 +521,10 @@ def moe_gate_up_w4_kernel(
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, H, BLOCK_K):
-            if EVEN_K:
-                a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-                wg = _w4_tile(wg_ptrs, sg_ptrs, j_ok[:, None], j_ok[:, None], FMT, BLOCK_N, BLOCK_K, G, ASM)
-                wu = _w4_tile(wu_ptrs, su_ptrs, j_ok[:, None], j_ok[:, None], FMT, BLOCK_N, BLOCK_K, G, ASM)
-            else:
-                k_ok = offs_k < H - k0
-                kb_ok = offs_kb < (H - k0) // 2
-                kg_ok = offs_kg < (H - k0) // G
-                a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-                wm = j_ok[:, None] & kb_ok[None, :]
-                sm = j_ok[:, None] & kg_ok[None, :]
-                wg = _w4_tile(wg_ptrs, sg_ptrs, wm, sm, FMT, BLOCK_N, BLOCK_K, G, ASM)
-                wu = _w4_tile(wu_ptrs, su_ptrs, wm, sm, FMT, BLOCK_N, BLOCK_K, G, ASM)
+            k_ok, kb_ok, kg_ok = _w4_k_masks(offs_k, offs_kb, offs_kg, H - k0, G)  # read only when not EVEN_K
+            a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+            wg = _w4_tile_k(wg_ptrs, sg_ptrs, j_ok, kb_ok, kg_ok, EVEN_K, FMT, BLOCK_N, BLOCK_K, G, ASM)
+            wu = _w4_tile_k(wu_ptrs, su_ptrs, j_ok, kb_ok, kg_ok, EVEN_K, FMT, BLOCK_N, BLOCK_K, G, ASM)
             g = tl.dot(a, tl.trans(wg.to(a.dtype)), g)
             u = tl.dot(a, tl.trans(wu.to(a.dtype)), u)
             a_ptrs += BLOCK_K
@@ -526,17 +532,10 @@ def moe_gate_up_w4_kernel(
             wu_ptrs += BLOCK_K // 2 * stride_wk
             sg_ptrs += BLOCK_K // G * stride_sk
             su_ptrs += BLOCK_K // G * stride_sk
-        if FMT == 2:
-            g = g * tl.load(s2_ptr + e * stride_s2e)
-            u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
-        if HAS_BIAS:
-            bg = tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0)
-            bu = tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0)
-            g += bg.to(tl.float32)[None, :]
-            u += bu.to(tl.float32)[None, :]
+        g, u = _nvfp4_scale_gate_up(g, u, s2_ptr, e, stride_s2e, stride_s2g, FMT)
+        g, u = add_gate_up_bias(g, u, b_ptr + e * stride_be, offs_j, j_ok, I, HAS_BIAS)
     out = _activate(g, u, limit, alpha, ACT)
-    act_ptrs = act_ptr + offs_p.to(tl.int64)[:, None] * stride_ap + offs_j[None, :]
-    tl.store(act_ptrs, out.to(act_ptr.dtype.element_ty), mask=row_ok[:, None] & (offs_j < I)[None, :])
+    store_act_rows(out, act_ptr, offs_p, offs_j, row_ok, I, stride_ap)
 
 
 @fast_kernel
@@ -563,13 +562,10 @@ def moe_down_w4_kernel(
     if e < 0:
         return
     e = e.to(tl.int64)
-    offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
     offs_h = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     h_ok = offs_h < H
-    k_lo = tl.multiple_of(s_id * k_tiles_per_split * BLOCK_K, BLOCK_K)
-    k_hi = tl.minimum(k_lo + k_tiles_per_split * BLOCK_K, I)
+    k_lo, k_hi = split_k_range(s_id, k_tiles_per_split, I, BLOCK_K)
     offs_k = tl.arange(0, BLOCK_K)
     offs_kb = tl.arange(0, BLOCK_K // 2)
     offs_kg = tl.arange(0, BLOCK_K // G)
@@ -578,37 +574,27 @@ def moe_down_w4_kernel(
     s_ptrs = s_ptr + e * stride_se + offs_h[:, None] * stride_sn + (k_lo // G + offs_kg)[None, :] * stride_sk
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            a = tl.load(a_ptrs, mask=row_ok[:, None], other=0.0)
-            wt = _w4_tile(w_ptrs, s_ptrs, h_ok[:, None], h_ok[:, None], FMT, BLOCK_N, BLOCK_K, G, ASM)
-        else:
-            k_ok = offs_k < k_hi - k0
-            kb_ok = offs_kb < (k_hi - k0) // 2
-            kg_ok = offs_kg < (k_hi - k0) // G
-            a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-            wt = _w4_tile(w_ptrs, s_ptrs, h_ok[:, None] & kb_ok[None, :], h_ok[:, None] & kg_ok[None, :],
-                          FMT, BLOCK_N, BLOCK_K, G, ASM)
+        k_ok, kb_ok, kg_ok = _w4_k_masks(offs_k, offs_kb, offs_kg, k_hi - k0, G)  # read only when not EVEN_K
+        a = load_rows_k(a_ptrs, row_ok, k_ok, EVEN_K)
+        wt = _w4_tile_k(w_ptrs, s_ptrs, h_ok, kb_ok, kg_ok, EVEN_K, FMT, BLOCK_N, BLOCK_K, G, ASM)
         acc = tl.dot(a, tl.trans(wt.to(a.dtype)), acc)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K // 2 * stride_wk
         s_ptrs += BLOCK_K // G * stride_sk
     if FMT == 2:
         acc = acc * tl.load(s2_ptr + e * stride_s2e)
-    if HAS_BIAS:
-        if s_id == 0:
-            bias = tl.load(b_ptr + e * stride_be + offs_h, mask=h_ok, other=0.0)
-            acc += bias.to(tl.float32)[None, :]
-    y_ptrs = y_ptr + s_id.to(tl.int64) * stride_ys + pair.to(tl.int64)[:, None] * stride_yn + offs_h[None, :]
-    tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=row_ok[:, None] & h_ok[None, :])
+    store_down_partial(acc, y_ptr, b_ptr + e * stride_be, s_id, pair, row_ok, offs_h, h_ok, stride_ys, stride_yn,
+                       HAS_BIAS)
 
 
 # ------------------------------------------------------------------------------ FP4 W4A16 GEMV (decode)
 # One packed int32 word (bytes b0..b3 = E2M1 elements 0..7 of a row, low nibble first) dotted with
 # eight f32 activations ($2..$9): decoded as _FP4_DECODE_PTX does (f16 words, then f32 = e2m1 *
 # 2^-14), then $0 = e0 * x0 and fma(e_i, x_i, $0) for i = 1..7, one chain in element order. Why one
-# asm block per word: the GEMV was issue-bound (ncu 2026-12-03: ALU the busiest pipe, 3 of 4 issue
-# slots) at 8.2 SASS instructions a weight value, a third of them moving x through shared memory
-# and reducing across threads every K step; a word a thread with its x in registers takes ~5.
+# asm block per word: a GEMV that decodes values one by one and moves x through shared memory,
+# reducing across threads every K step, is issue-bound (ALU the busiest pipe, 3 of 4 issue slots) at
+# 8.2 SASS instructions a weight value; a word a thread with its x in registers takes ~5 (the loop's
+# opcode mix: tools/tests/test_sass_mix.py::test_gemv_loop_runs_the_dot8_asm_and_no_shuffles).
 _FP4_DOT8_PTX = tl.constexpr("{\n.reg .f32 e<8>;" + _E2M1_WORD_PTX.replace("W", "$1") + """mov.b32 {h0, h4}, a;
 mov.b32 {h1, h5}, b;
 mov.b32 {h2, h6}, c;
@@ -754,9 +740,7 @@ def moe_gate_up_w4_gemv_kernel(
         u = _w4_gemv_rows(x_row, w_base + (I + offs_j) * stride_wn,
                           s_base + (I + offs_j)[:, None] * stride_sn + offs_g[None, :] * stride_sk, j_ok, H,
                           stride_sk, FMT, G, BLOCK_N, BLOCK_K, ASM)
-        if FMT == 2:
-            g = g * tl.load(s2_ptr + e * stride_s2e)
-            u = u * tl.load(s2_ptr + e * stride_s2e + stride_s2g)
+        g, u = _nvfp4_scale_gate_up(g, u, s2_ptr, e, stride_s2e, stride_s2g, FMT)
         if HAS_BIAS:
             g += tl.load(b_ptr + e * stride_be + offs_j, mask=j_ok, other=0.0).to(tl.float32)
             u += tl.load(b_ptr + e * stride_be + I + offs_j, mask=j_ok, other=0.0).to(tl.float32)

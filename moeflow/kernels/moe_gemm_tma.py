@@ -1,10 +1,8 @@
 """Triton kernels: the aligned gate_up / down GEMMs with TMA weight tiles (Hopper).
 
-TritonExperts runs them by default on Hopper or newer (moeflow.experts.triton: TMA_BY_DEFAULT;
-tma=False / MOEFLOW_TMA=0 turn them off) where the layout allows; `benchmarks/diag_tma_gemm.py` measures
-them against the kernels of moe_gemm.py (same alignment, same buffers, same activation: the
-same bits; 1.01-1.31x faster on the H200, 2026-12-03). Issue 16 item 1: prefill at >= 0.75 of
-the bf16 compute roof.
+The same computation as moe_gemm.py's moe_gate_up_kernel / moe_down_kernel (same alignment, same
+buffers, same activation: the same bits), 1.01-1.31x faster at prefill on the H200:
+`python tools/diag_tma_gemm.py --shapes mixtral,qwen3,deepseek --tokens 2048,8192`.
 
 Why TMA for the weights only: a weight tile is a dense box of one expert's rows (linear layout
 W [E, N, K], K contiguous: viewed as [E*N, K]), which one TMA instruction copies into shared
@@ -12,16 +10,17 @@ memory without the address registers and LSU issue slots of pointer loads; the a
 of gate_up are gathered by token (Hopper's TMA has no gather), so they stay pointer loads, unless
 A_TMA: then gather_rows_kernel has copied them into pair order first (x_PH, one row a padded pair
 position, zeros at padding) and the gate_up reads [BM, BK] boxes of x_PH by TMA too. Why: at mixtral
-T = 2048 the gate_up with pointer-loaded rows was L1/L2-bound (ncu: L1/L2 76%, tensor pipe 75%, top
-stall the L1TEX scoreboard) while the down, both operands by TMA, ran its tensor pipe at 85-89%; the
-copy costs one read of the rows and one write of P x H. The down GEMM's activation rows are contiguous
+T = 2048 the gate_up with pointer-loaded rows is L1/L2-bound (L1/L2 76%, tensor pipe 75%, top stall the
+L1TEX scoreboard) while the down, both operands by TMA, runs its tensor pipe at 85-89%
+(`bash tools/ncu_profile.sh OUT experts_prefill_t2048_mixtral`); the copy costs one read of the rows
+and one write of P x H. The down GEMM's activation rows are contiguous
 in act_PI, so both of its operands use TMA.
 
 Variants (constexprs): PERSISTENT (one program per SM looping over (block, column-tile) work,
 grouped as moe_gemm._tile_ids orders it; GemmTile.persistent) and WS (Triton's automatic warp
 specialisation of the main loop: a producer warp group issues the copies while consumers run
-the wgmma). WS is for the diagnostic only: Triton 3.6 aborted the process compiling it at BM = 64
-(an assertion in WSLowerToken.cpp), and it gained <= 2% elsewhere.
+the wgmma). WS is timed by tools/diag_tma_gemm.py only: Triton 3.6 aborts compiling it at
+BM = 64 (an assertion in WSLowerToken.cpp) and it gains <= 2% elsewhere.
 
 FUSED (gate_up): one dot per K step, [BM, BK] x [BK, 2BN], instead of a gate dot and an up dot. The
 weight box is a 5D view of gate_up [E, 2I, H] as [E, I/8, 2, 8, H] (strides 2IH, 8H, IH, H, 1),
@@ -30,7 +29,7 @@ no repacking of the weights. Why: Triton splits a dot's N over the warp groups t
 free, so two [64, BN] dots on 8 warps ran as 64x(BN/2) wgmmas, each re-reading the A tile from
 shared memory; the fused dot issues half as many wgmmas, twice as wide (fp8 BM 64: QGMMA 64x128
 instead of 64x64; bf16 BM 128: HGMMA 64x256 instead of 64x128; sm_90 offline compile,
-benchmarks/sass_mix.py), with one wait per K step instead of two, the same registers and no
+tools/sass_mix.py), with one wait per K step instead of two, the same registers and no
 spill. The 8-column interleave keeps each thread's gate and up columns in the same thread, so
 the activation's split (split_gate_up8) moves no data. Each output element takes the same
 products in the same K order as the two-dot form.
@@ -45,7 +44,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .moe_gemm import _activate, _tile_ids, half_padded
+from .moe_gemm import _activate, _tile_ids, half_padded, pair_tokens, tile_pairs
 from .pdl import pdl_trigger, pdl_wait
 
 
@@ -63,10 +62,8 @@ def gather_rows_kernel(x_ptr, xs_ptr, sorted_ptr, block_expert_ptr, num_pairs, H
     pid_m = tl.program_id(0)
     e = tl.load(block_expert_ptr + pid_m)
     if e >= 0:
-        offs_p = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        pair = tl.load(sorted_ptr + offs_p)
-        row_ok = pair < num_pairs
-        tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+        offs_p, pair, row_ok = tile_pairs(sorted_ptr, pid_m * BLOCK_M, num_pairs, BLOCK_M)
+        tok = pair_tokens(pair, row_ok, top_k)
         offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
         h_ok = offs_h < H
         v = tl.load(x_ptr + tok[:, None] * stride_xt + offs_h[None, :], mask=row_ok[:, None] & h_ok[None, :],
@@ -86,19 +83,15 @@ def _gate_up_rows(x_ptr, xd, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H
     rows from xd, a TensorDescriptor over x_PH [P, H] with block [BM, BK] (gather_rows_kernel's
     copy), else gathered from x_ptr by pointer loads.
     """
-    offs_p = p0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)  # sorted_P has all P entries: a load past the used blocks is harmless
-    row_ok = pair < num_pairs
-    tok = tl.where(row_ok, pair // top_k, 0).to(tl.int64)
+    # sorted_P has all P entries: a load past the used blocks is harmless
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, p0, num_pairs, BLOCK_M)
+    tok = pair_tokens(pair, row_ok, top_k)
     offs_k = tl.arange(0, BLOCK_K)
     a_ptrs = x_ptr + tok[:, None] * stride_xt + offs_k[None, :]
     if FUSED:
         acc = tl.zeros([BLOCK_M, 2 * BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
-            if A_TMA:
-                a = xd.load([p0, k0])
-            else:
-                a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            a = _a_tile(xd, a_ptrs, row_ok, p0, k0, A_TMA)
             w = tl.reshape(wd.load([e, pid_n * (BLOCK_N // 8), 0, 0, k0]), (2 * BLOCK_N, BLOCK_K))
             acc = tl.dot(a, w.T, acc)
         g, u = split_gate_up8(acc, BLOCK_M, BLOCK_N)
@@ -108,10 +101,7 @@ def _gate_up_rows(x_ptr, xd, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H
         g = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         u = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in tl.range(0, H, BLOCK_K, warp_specialize=WS_K):
-            if A_TMA:
-                a = xd.load([p0, k0])
-            else:
-                a = tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+            a = _a_tile(xd, a_ptrs, row_ok, p0, k0, A_TMA)
             wg = wd.load([row_g, k0])
             wu = wd.load([row_u, k0])
             g = tl.dot(a, wg.T, g)
@@ -123,12 +113,21 @@ def _gate_up_rows(x_ptr, xd, wd, act_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H
 
 
 @triton.jit
+def _a_tile(xd, a_ptrs, row_ok, p0, k0, A_TMA: tl.constexpr):
+    """The gate_up's activation tile [BM, BK] at K offset k0: a TMA box of x_PH (A_TMA), else the token rows
+    gathered by pointer (a_ptrs, zeros in the rows without a pair)."""
+    if A_TMA:
+        return xd.load([p0, k0])
+    return tl.load(a_ptrs + k0, mask=row_ok[:, None], other=0.0)
+
+
+@triton.jit
 def split_gate_up8(acc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """(g, u) [BM, BN] each from acc [BM, 2BN] whose columns are gate/up 8 by 8 (g0..7, u0..7, g8..15, ...).
 
     In the wgmma accumulator layout a thread holds the same 2 columns of every 8-column group, so
     with gate and up interleaved 8 by 8 it holds matching g and u columns and the split is a
-    register renaming (no shared-memory round trip: tests/test_sass_mix.py). The 32-row half tiles
+    register renaming (no shared-memory round trip: tools/tests/test_sass_mix.py). The 32-row half tiles
     (mma.sync layout) take a shared-memory shuffle here, once a tile.
     """
     acc4 = tl.permute(tl.reshape(acc, (BLOCK_M, BLOCK_N // 8, 2, 8)), (0, 1, 3, 2))
@@ -168,7 +167,7 @@ def moe_gate_up_tma_kernel(
     """act_PI[p, j] = act(x[tok(p)] @ W_gu[e(p)]) like moe_gemm.moe_gate_up_kernel.
 
     wd: TensorDescriptor over gate_up viewed [E * 2I, H], block [BN, BK]; FUSED: over the 5D view
-    [E, I/8, 2, 8, H] (experts.triton.gate_up_descriptor), block [1, BN/8, 2, 8, BK].
+    [E, I/8, 2, 8, H] (the module docstring), block [1, BN/8, 2, 8, BK].
     A_TMA: xd / xd_half TensorDescriptors over x_PH [P, H] (gather_rows_kernel) with blocks [BM, BK] /
     [BM/2, BK] (the half tiles'; xd when HALF_TAIL is off); else None and the rows come from x_ptr.
     Grid: (num_tiles,) or (NUM_PROGS,) when PERSISTENT; num_tiles = max_blocks * I / BN.
@@ -191,9 +190,7 @@ def moe_gate_up_tma_kernel(
 def _down_rows(ad, wd, y_ptr, sorted_ptr, e, p0, pid_n, num_pairs, H, I, stride_yn,
                BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, WS_K: tl.constexpr):
     """y_NH of the pairs at rows p0 .. p0+BM-1 (expert e >= 0; ad's block is [BM, BK]), columns pid_n*BN.. of H."""
-    offs_p = p0 + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_ptr + offs_p)
-    row_ok = pair < num_pairs
+    offs_p, pair, row_ok = tile_pairs(sorted_ptr, p0, num_pairs, BLOCK_M)
     row_w = e * H + pid_n * BLOCK_N
     acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for k0 in tl.range(0, I, BLOCK_K, warp_specialize=WS_K):
@@ -229,8 +226,9 @@ def _down_flat(ad, wd, y_ptr, sorted_ptr, block_expert_ptr, num_pairs, H, I, num
                GROUP_M: tl.constexpr):
     """The persistent down GEMM as one flattened loop over (work tile, K step) (tl.range(flatten=True)).
 
-    Why: at short K (qwen3's I = 768: 12 steps of BK 64) each tile's pipeline fill and epilogue
-    were exposed (ncu: tensor pipe 65%), with one 8-warp CTA per SM to hide them. Triton's loop
+    Why: at short K (qwen3's I = 768: 12 steps of BK 64) each tile's pipeline fill and epilogue are
+    exposed in the tiled loop (tensor pipe 65%: `bash tools/ncu_profile.sh OUT
+    experts_prefill_t8192_qwen3`), with one 8-warp CTA per SM to hide them. Triton's loop
     fusion (FuseNestedLoops) turns the tile loop and its K loop into one loop that the pipeliner
     can run across tile boundaries: the next tile's first copies are in flight during this tile's
     last steps and its store. Fusion needs the K loop's bounds invariant to the tile loop and no
