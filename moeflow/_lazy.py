@@ -38,6 +38,10 @@ def lazy_exports(package: str, namespace: dict[str, Any], exports: dict[str, str
 class _AfterImport(importlib.abc.MetaPathFinder):
     """A meta path finder that wraps the loader of one module so that callbacks run after it executes."""
 
+    # Marks every such finder, whichever copy of this module made it (a reload or a second import of moeflow
+    # makes another class): each skips them all when it looks for the real finder, so none recurses into another.
+    moeflow_after_import = True
+
     def __init__(self, name: str) -> None:
         self.name = name
         self.callbacks: list[Callable[[ModuleType], None]] = []
@@ -46,7 +50,7 @@ class _AfterImport(importlib.abc.MetaPathFinder):
         if fullname != self.name:
             return None
         for finder in sys.meta_path:  # the finder that would have found it, without this one
-            if finder is self or not hasattr(finder, "find_spec"):
+            if getattr(finder, "moeflow_after_import", False) or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
@@ -84,7 +88,7 @@ def after_import(name: str, callback: Callable[[ModuleType], None]) -> None:
         callback(module)
         return
     for finder in sys.meta_path:
-        if isinstance(finder, _AfterImport) and finder.name == name:
+        if getattr(finder, "moeflow_after_import", False) and finder.name == name:
             finder.callbacks.append(callback)
             return
     finder = _AfterImport(name)
