@@ -30,7 +30,7 @@ from moeflow.offload.cpu_experts import (
 from moeflow.offload.store import ExpertStore
 from moeflow.parallel.local import combine_TH, dispatch_rows, local_dispatch, unpermute_TKH
 from moeflow.testing import assert_bitwise_equal
-from tests.test_offload_model import FAMILIES, L, _inputs, _model, _run
+from tests.test_offload_model import FAMILIES, L, ShapeSensitiveExperts, _inputs, _model, _run
 
 # The tolerances stated in docs/offload.md for CPU rows computed by another impl than the
 # GPU's, per layer output given the same input.
@@ -87,6 +87,27 @@ def test_always_on_a_cpu_cache_is_bitwise_resident(family, impl):
     s, c = rt.stats(), rt.cpu_stats()
     assert s.misses == 0, "always: no miss is copied on demand"
     assert c.cpu_experts > 0 and s.hits > 0, "both paths ran"
+    _check_counts(rt)
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("slots", [None, 8])
+def test_always_runs_the_resident_call_shape(family, slots):
+    # The CPU experts and the cached ones each run in calls of the step's N rows (the resident
+    # call's shape): an impl whose bits follow the call's shape gives the resident bits.
+    # slots=8: a step's cached experts can fill every slot (the CPU rows then need a spare).
+    ref, off = _pair(family)
+    K = ref[0].config.top_k
+    impl_ref, impl_off = ShapeSensitiveExperts(), ShapeSensitiveExperts()
+    for a, b in zip(ref, off):
+        a.experts_impl, b.experts_impl = impl_ref, impl_off
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots or max(K, 4), prefetch_width=3, device="cpu",
+                                                 cpu_experts="always"), progress=False)
+    seq, prefill = _inputs(5, n_decode=4, n_prefill=7)
+    for x in [*seq, prefill]:
+        assert_bitwise_equal(_run(off, x), _run(ref, x), what=f"{family} always, T={x.shape[0]}")
+    assert {n for n, _ in impl_off.calls} == {n for n, _ in impl_ref.calls}, "each call has the resident N"
+    assert rt.cpu_stats().cpu_experts > 0 and rt.stats().hits > 0
     _check_counts(rt)
 
 

@@ -17,6 +17,9 @@ import torch
 from torch import nn
 
 from moeflow.config import ExpertWeights, MoEConfig
+from moeflow.experts.activations import apply_activation
+from moeflow.experts.base import check_pairs, down_as_KN, gate_up_one
+from moeflow.experts.reference import ReferenceExperts
 from moeflow.layer import MoELayer
 from moeflow.offload.attach import attach_offload
 from moeflow.offload.config import OffloadConfig
@@ -104,6 +107,41 @@ def _no_grad():
 FAMILIES = ["mixtral", "deepseek", "gpt_oss", "longcat", "llama4"]
 
 
+class ShapeSensitiveExperts(ReferenceExperts):
+    """Reference experts whose down projection blocks its reduction by the call's row count N.
+
+    What a BLAS does for a batch of GEMMs, or a tiled kernel with tiles chosen by the step's
+    shape: the bits of a row depend on how many rows the call has, not on the row alone. The
+    resident layer makes one call of all N rows; an offloaded step gives its bits only if its
+    calls have the same rows (each expert on all its rows, in order, in a call of N rows).
+    `calls` records (N, experts held) of every call.
+    """
+
+    name = "shape_sensitive"
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[int, int]] = []
+
+    def forward_pairs(self, x_NH, expert_N, w, config):
+        check_pairs(x_NH, expert_N, w, config)
+        N = int(x_NH.shape[0])
+        self.calls.append((N, w.num_experts))
+        y_NH = torch.empty_like(x_NH)
+        down = down_as_KN(w)  # [E, I, H]
+        blocks = 1 + N % 4  # the reduction over I in this many blocks, summed in order
+        for e in sorted({int(i) for i in expert_N.tolist()}):
+            rows = (expert_N == e).nonzero().squeeze(1)
+            act = apply_activation(gate_up_one(x_NH.index_select(0, rows), w, e), config)
+            y = None
+            for part in torch.tensor_split(torch.arange(act.shape[1]), blocks):
+                p = act[:, part] @ down[e][part]
+                y = p if y is None else y + p
+            if w.down_bias is not None:
+                y = y + w.down_bias[e]
+            y_NH.index_copy_(0, rows, y)
+        return y_NH
+
+
 @pytest.mark.parametrize("family", FAMILIES)
 @pytest.mark.parametrize("policy", ["lru", "random_oldest", "predictive"])
 @pytest.mark.parametrize("prefetch", [0, 3])
@@ -133,6 +171,28 @@ def test_offloaded_output_is_bitwise_resident(family, policy, prefetch):
         assert s.prefetch_issued == 0
     assert s.bytes_copied == (s.misses + s.prefetch_issued) * rt.store.expert_bytes
     assert gate_up0.numel() == 0, "the layer's expert storage was released to the store"
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("slots", [1, 2, 4])
+def test_chunked_steps_run_the_resident_call_shape(family, slots):
+    # More distinct experts in a step than slots: the experts run in groups, and every call has
+    # the step's N rows (the resident call's shape), so an impl whose bits follow the call's
+    # shape gives the resident bits. slots=1 (K=1 only) has no spare slot in the pool.
+    ref = _model(family)
+    K = ref[0].config.top_k
+    if slots < K:
+        pytest.skip(f"K={K} > {slots} slots")
+    impl_ref, impl_off = ShapeSensitiveExperts(), ShapeSensitiveExperts()
+    off = copy.deepcopy(ref)
+    for a, b in zip(ref, off):
+        a.experts_impl, b.experts_impl = impl_ref, impl_off
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots, device="cpu"), progress=False)
+    seq, prefill = _inputs(4, n_decode=3, n_prefill=7)
+    for x in [*seq, prefill]:
+        assert_bitwise_equal(_run(off, x), _run(ref, x), what=f"{family} {slots} slots, T={x.shape[0]}")
+    assert {n for n, _ in impl_off.calls} == {n for n, _ in impl_ref.calls}, "each call has the resident N"
+    assert rt.stats().misses > 0
 
 
 def test_large_cache_hits_after_warmup_and_releases_nothing_with_release_false():
@@ -237,3 +297,23 @@ def test_patch_model_offload_on_the_tiny_checkpoint_is_bitwise_resident(store):
     s = rt.stats()
     assert s.misses > 0 and s.prefetch_issued > 0 and s.hits + s.misses > 12 * 4
     assert off.model.layers[0].mlp.experts.gate_up_proj.numel() == 0, "the HF experts' storage was released"
+
+
+@pytest.mark.parametrize("cpu_experts", ["off", "always"])
+def test_tiny_checkpoint_small_cache_is_bitwise_resident_at_the_default_thread_count(cpu_experts):
+    """The embedded model with 3 slots (fewer than a 6-token step's experts: chunked groups) and with
+    every miss run on the CPU, at torch's default thread count: the resident logits, bit for bit."""
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+
+    res = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    patch_model(res)
+    patch_model(off, offload=OffloadConfig(gpu_slots=3, device="cpu", cpu_experts=cpu_experts))
+    rt = off.model.layers[0].mlp.moe_layer.offload
+    text = b"class Queue:\n    def __init__(self, items):\n        self.items = list(items)\n"
+    for n in (1, 6, 8, 19, 31, 64):
+        ids = (torch.tensor(list(text[:n])) + 3).unsqueeze(0)
+        assert_bitwise_equal(off(ids).logits, res(ids).logits, what=f"{n} tokens, cpu_experts={cpu_experts!r}")
+    assert (rt.cpu_stats().cpu_experts > 0) == (cpu_experts == "always")

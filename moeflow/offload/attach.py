@@ -21,8 +21,11 @@ Per layer step, `OffloadedExperts.run`:
        ExpertWeights views of the slot buffers: the same rows in the same order per
        expert as the resident source, so the same bits.
 
-When one step touches more distinct experts than there are slots (a long prefill), the
-experts run in groups of <= S, every expert still seeing all its rows in order.
+Every impl call has the step's N rows, as the resident layer's one call has (an impl may
+block its arithmetic by the call's shape, so a call on part of the rows could give other
+bits). When one step touches more distinct experts than there are slots (a long prefill),
+the experts run in groups of <= S - 1, one call of all N rows each: the other rows go to a
+spare slot and are dropped, every expert still seeing all its rows in order (`_cache_rows`).
 
 CPU execution of missed experts (OffloadConfig.cpu_experts "auto" / "always",
 moeflow.offload.cpu_experts): after the read-back, the step's experts that are not resident
@@ -31,7 +34,8 @@ tensors (never copied, never placed in a slot). The CPU experts' rows go to the 
 (their copy ordered before the GPU experts' kernels, so waiting for it never waits for
 them), then the GPU experts are launched (asynchronous on CUDA), then the CPU rows are
 computed, copied back and written into their rows of y: combine then sums every row in
-slot order, as it does for the resident model. A fused TokenBatch is run as pairs in such
+slot order, as it does for the resident model. With the cache on the CPU both parts run in
+calls of all N rows (the resident call's shape: its bits). A fused TokenBatch is run as pairs in such
 a step (the local dispatch, then combine_TH). Counters: `cpu_stats()`.
 
 Sync-free decode (OffloadConfig.sync_free, moeflow.offload.syncfree): the step reads nothing
@@ -248,8 +252,8 @@ class OffloadRuntime:
             return impl.forward_pairs(scaled_rows(batch, config), slot_N, w, config)
         if tokens:
             return self._tokens_chunked(pos, impl, batch, config, used, pred_keys)
-        return self._pairs_chunked(pos, impl, scaled_rows(batch, config), batch.expert_N, ids_host, config, used,
-                                   pred_keys)
+        return self._cache_rows(pos, impl, scaled_rows(batch, config), batch.expert_N, ids_host, config, used,
+                                pred_keys)
 
     def _fill_lut(self, pos: int, used: list[int], slots: dict[Key, int], E: int, Z: int) -> torch.Tensor:
         """The device expert id -> slot id table for this step (zero experts -> S + z)."""
@@ -265,24 +269,52 @@ class OffloadRuntime:
             self._lut_dev.copy_(lut, non_blocking=True)
         return self._lut_dev
 
-    def _pairs_chunked(self, pos, impl, x_NH, expert_N, ids_host, config, used, pred_keys) -> torch.Tensor:
-        """More distinct experts than slots: run them in groups of <= S, each expert on all its rows in order."""
+    def _cache_rows(self, pos, impl, x_NH, expert_N, ids_host, config, serve, pred_keys) -> torch.Tensor:
+        """y_NH [N, H] whose rows of the experts `serve` (sorted ids) come from the slot cache; other rows unset.
+
+        Every impl call has all N rows of the step, as the resident layer's one call has: an impl
+        may block its arithmetic by the call's shape (a BLAS for a batch of GEMMs, a kernel's tiles
+        chosen by N), so a call on part of the rows could give other bits. The experts run in groups
+        of at most S (more distinct experts than slots: a long prefill), each on all its rows in
+        order; rows of experts outside the group go to a spare slot that holds none of the group's
+        experts and their results are dropped. A group then holds at most S - 1 experts; with one
+        slot, the spare is a zero expert appended to a copy of the pool for the call.
+        """
         S = self.cache.num_slots
-        E = self.store.num_experts[pos]
-        y_NH = torch.empty_like(x_NH)
+        dev = x_NH.device
+        serve_set = set(serve)
+        outside = len(serve) > S or any(e not in serve_set for e in ids_host)
+        size = max(1, S - 1) if outside else S
+        e_max = int(self._lut_host.shape[0])
         ids_t = torch.tensor(ids_host, dtype=torch.int64)
-        for g in range(0, len(used), S):
-            group = used[g : g + S]
+        ids_32 = expert_N.to(torch.int32)
+        y_NH = torch.empty_like(x_NH)
+        for g in range(0, len(serve), size):
+            group = serve[g : g + size]
             slots = self.cache.ensure([(pos, e) for e in group])
-            if g + S >= len(used):
+            if g + size >= len(serve):
                 self.prefetcher.issue(pred_keys)
-            lut = self._fill_lut(pos, group, slots, E, 0)
-            lo, hi = group[0], group[-1]
-            # `used` is sorted, so a group is a contiguous id range: its rows by one mask.
-            rows = ((ids_t >= lo) & (ids_t <= hi)).nonzero().squeeze(1).to(x_NH.device)
-            slot_R = torch.index_select(lut, 0, expert_N.index_select(0, rows).to(torch.int32))
-            y_NH.index_copy_(0, rows, impl.forward_pairs(x_NH.index_select(0, rows), slot_R, self.cache.weights,
-                                                         config))
+            w = self.cache.weights
+            taken = set(slots.values())
+            spare = next((s for s in range(S) if s not in taken), None)
+            if spare is None and outside:
+                w, spare = _with_zero_expert(w), S
+            # a fresh table per group (pinned, non-blocking on CUDA): the previous group's upload
+            # may still be reading its own when this one is filled
+            lut = torch.full((e_max,), 0 if spare is None else spare, dtype=torch.int32)
+            for e in group:
+                lut[e] = slots[(pos, e)]
+            if dev.type == "cuda":
+                lut = lut.pin_memory().to(dev, non_blocking=True)
+            elif lut.device != dev:
+                lut = lut.to(dev)
+            y = impl.forward_pairs(x_NH, torch.index_select(lut, 0, ids_32), w, config)
+            if not outside:
+                return y
+            member = torch.zeros(e_max, dtype=torch.bool)
+            member[group] = True
+            rows = member[ids_t].nonzero().squeeze(1).to(dev)
+            y_NH.index_copy_(0, rows, y.index_select(0, rows))
         return y_NH
 
     def _tokens_chunked(self, pos, impl, batch: TokenBatch, config, used, pred_keys) -> torch.Tensor:
@@ -292,7 +324,7 @@ class OffloadRuntime:
         on_input = config.router.weight_on_input
         w_N = batch.weights_TK.reshape(-1).index_select(0, d.order_N).to(torch.float32) if on_input else None
         x_NH = scaled_rows(PairBatch(dispatch_rows(batch.x_TH, d), d.expert_N, None, w_N), config)
-        y_NH = self._pairs_chunked(pos, impl, x_NH, d.expert_N, d.expert_N.tolist(), config, used, pred_keys)
+        y_NH = self._cache_rows(pos, impl, x_NH, d.expert_N, d.expert_N.tolist(), config, used, pred_keys)
         return combine_TH(unpermute_TKH(y_NH, d), batch.weights_TK, weight_on_input=on_input,
                           out_dtype=batch.x_TH.dtype)
 
@@ -380,14 +412,12 @@ class OffloadRuntime:
         """y_NH [N, H]: the rows of `cpu_set`'s experts computed on the CPU, the others from the cache.
 
         x_NH: [N, H] the rows as the experts see them (llama4: already w * x); expert_N: int [N]
-        (device); ex_host: the same ids as a host list.
+        (device); ex_host: the same ids as a host list. With the cache on the CPU both parts run
+        in calls of all N rows (`_cache_rows`, `_host_rows`): the resident call's shape, so its bits.
         """
-        S = self.cache.num_slots
-        E = self.store.num_experts[pos]
         dev = x_NH.device
         cuda = dev.type == "cuda"
         cpu_rows = [n for n, e in enumerate(ex_host) if e in cpu_set]
-        gpu_rows = [n for n, e in enumerate(ex_host) if e not in cpu_set]
         gpu_used = [e for e in used if e not in cpu_set]
 
         def to_dev(rows: list[int]) -> torch.Tensor:
@@ -395,65 +425,73 @@ class OffloadRuntime:
             # pinned + non_blocking: a pageable upload would wait for the GPU experts' kernels
             return t.pin_memory().to(dev, non_blocking=True) if cuda else t
 
-        cpu_idx, gpu_idx = to_dev(cpu_rows), (to_dev(gpu_rows) if gpu_rows else None)
-        # 1. the CPU rows to the host, ordered before the GPU experts: waiting for them never waits for those
-        x_cpu = x_NH.index_select(0, cpu_idx)
-        ready = None
+        cpu_idx = to_dev(cpu_rows)
+        # 1. (CUDA) the CPU rows to the host, ordered before the GPU experts: waiting for them never
+        # waits for those
+        ready = x_cpu = None
         if cuda:
-            host = torch.empty(x_cpu.shape, dtype=x_cpu.dtype, pin_memory=True)
-            host.copy_(x_cpu, non_blocking=True)
+            x_cpu = torch.empty((len(cpu_rows), x_NH.shape[1]), dtype=x_NH.dtype, pin_memory=True)
+            x_cpu.copy_(x_NH.index_select(0, cpu_idx), non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(dev))
-            x_cpu = host
-        elif x_cpu.device.type != "cpu":
-            x_cpu = x_cpu.to("cpu")
-        # 2. the GPU experts (asynchronous on CUDA)
-        y_NH = torch.empty_like(x_NH)
+        # 2. the experts from the cache (asynchronous on CUDA)
         before = self._load_counts()
-        if gpu_rows:
-            x_g = x_NH.index_select(0, gpu_idx)
-            e_g = expert_N.index_select(0, gpu_idx)
-            if len(gpu_used) <= S:
-                slots = self.cache.ensure([(pos, e) for e in gpu_used])
-                self.prefetcher.issue(pred_keys)
-                lut = self._fill_lut(pos, gpu_used, slots, E, 0)
-                y_g = impl.forward_pairs(x_g, torch.index_select(lut, 0, e_g.to(torch.int32)), self.cache.weights,
-                                         config)
-            else:
-                y_g = self._pairs_chunked(pos, impl, x_g, e_g, [ex_host[n] for n in gpu_rows], config, gpu_used,
-                                          pred_keys)
-            y_NH.index_copy_(0, gpu_idx, y_g)
+        if gpu_used:
+            y_NH = self._cache_rows(pos, impl, x_NH, expert_N, ex_host, config, gpu_used, pred_keys)
         else:
+            y_NH = torch.empty_like(x_NH)
             self.cache.ensure([])  # a step all the same: last step's pins lapse
             self.prefetcher.issue(pred_keys)
         self._observe_reuse(before)
         # 3. the CPU experts, each on its rows in their order, from the store's host tensors
-        if ready is not None:
-            ready.synchronize()
         t0 = time.perf_counter()
         cpu_impl = self._cpu_impl_for(impl)
-        y_cpu = torch.empty_like(x_cpu)
-        local: dict[int, list[int]] = {}
-        for i, n in enumerate(cpu_rows):
-            local.setdefault(ex_host[n], []).append(i)
-        for e in sorted(local):
-            li = torch.tensor(local[e], dtype=torch.int64)
-            w_e = host_expert_weights(self.store, pos, e)
-            y_cpu.index_copy_(0, li, cpu_impl.forward_pairs(x_cpu.index_select(0, li),
-                                                             torch.zeros(len(li), dtype=torch.int64), w_e, config))
+        experts = sorted({ex_host[n] for n in cpu_rows})
+        if cuda:
+            ready.synchronize()
+            y_cpu = torch.empty_like(x_cpu)
+            local: dict[int, list[int]] = {}
+            for i, n in enumerate(cpu_rows):
+                local.setdefault(ex_host[n], []).append(i)
+            for e in experts:
+                li = torch.tensor(local[e], dtype=torch.int64)
+                w_e = host_expert_weights(self.store, pos, e)
+                y_cpu.index_copy_(0, li, cpu_impl.forward_pairs(x_cpu.index_select(0, li),
+                                                                 torch.zeros(len(li), dtype=torch.int64), w_e, config))
+        else:
+            y_cpu = self._host_rows(pos, cpu_impl, x_NH, expert_N, config, experts).index_select(0, cpu_idx)
         st = self._cpu_stats
         st.cpu_s += time.perf_counter() - t0
         st.cpu_steps += 1
-        st.cpu_experts += len(local)
+        st.cpu_experts += len(experts)
         st.cpu_rows += len(cpu_rows)
-        st.bytes_not_copied += len(local) * self.store.expert_bytes
+        st.bytes_not_copied += len(experts) * self.store.expert_bytes
         # 4. the CPU results into their rows (combine sums all rows in slot order afterwards)
         if cuda:
             y_cpu = y_cpu.pin_memory().to(dev, non_blocking=True)
-        else:
-            y_cpu = y_cpu.to(dev)
         y_NH.index_copy_(0, cpu_idx, y_cpu)
         return y_NH
+
+    def _host_rows(self, pos, impl, x_NH, expert_N, config, experts: list[int]) -> torch.Tensor:
+        """y_NH [N, H] (host) of one call of all N rows on the store's host tensors; the rows of `experts` valid.
+
+        The resident layer's call shape (see `_cache_rows`). Stores that hold each layer's experts
+        as [E, ...] tensors (pinned, model) give the layer's own ids; the mmap store's experts are
+        assembled, `experts` in order and a zero expert last for the other rows.
+        """
+        tensors = None if self.store.layer_tensors is None else self.store.layer_tensors[pos]
+        ids = expert_N.to("cpu")
+        if tensors is not None:
+            w = ExpertWeights(**tensors, layout=self.store.layout, interleaved=self.store.interleaved)
+        else:
+            parts = [host_expert_weights(self.store, pos, e) for e in experts]
+            w = _with_zero_expert(ExpertWeights(
+                **{n: torch.cat([getattr(p, n) for p in parts]) for n in self.store.shapes},
+                layout=self.store.layout, interleaved=self.store.interleaved))
+            remap = torch.full((self.store.num_experts[pos],), len(experts), dtype=torch.int64)
+            remap[experts] = torch.arange(len(experts))
+            ids = remap[ids.long()]
+        return impl.forward_pairs(x_NH.to("cpu"), ids, w, config)
 
     # ---- reporting ------------------------------------------------------------------------
     def stats(self) -> CacheStats:
@@ -482,6 +520,13 @@ class OffloadRuntime:
         self._cpu_stats.__init__()
         if self.graph is not None:
             self.graph.reset_stats()
+
+
+def _with_zero_expert(w: ExpertWeights) -> ExpertWeights:
+    """A copy of `w` with one more expert, all zeros, after its own (a spare for rows whose results are dropped)."""
+    tensors = {n: torch.cat([t, torch.zeros_like(t[:1])]) for n in ExpertWeights.TENSOR_FIELDS
+               if (t := getattr(w, n)) is not None}
+    return ExpertWeights(**tensors, layout=w.layout, interleaved=w.interleaved, quant=w.quant)
 
 
 def _check_cpu_experts(config: OffloadConfig, store_or_weights) -> None:

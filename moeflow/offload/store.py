@@ -68,6 +68,8 @@ class ExpertStore:
     Attributes:
         num_layers: L.
         num_experts: list of E per layer.
+        layer_tensors: per layer, name -> [E, *shape] host tensor of all its experts (pinned /
+            model modes); None for mmap.
         shapes: name -> per-expert shape (gate_up, down, and the biases when present).
         dtype, layout, interleaved: as the layers' ExpertWeights.
         expert_bytes: bytes one expert's copy moves (in `dtype`).
@@ -91,6 +93,9 @@ class ExpertStore:
         self.mode = mode
         self.pinned = pinned
         self._recipes = recipes  # layer -> callable(expert) -> pieces
+        # Per layer name -> [E, *shape] host tensor holding all its experts (from_weights: the
+        # pinned copies or the model's tensors), or None (mmap: experts are read one at a time).
+        self.layer_tensors: list[dict[str, torch.Tensor]] | None = None
         # Packed layout (module doc): per layer a uint8 [E, B] host buffer, or None.
         self.packed: list[torch.Tensor] | None = None
         self.packed_offsets: dict[str, int] = {}
@@ -188,6 +193,7 @@ class ExpertStore:
         store = cls(num_experts=[_expert_count(w) for w in weights], shapes=shapes, dtype=w0.dtype,
                     layout=w0.layout, interleaved=w0.interleaved, mode=mode, pinned=pin,
                     recipes=[recipe(t) for t in per_layer], dtypes=dtypes, quant=w0.quant)
+        store.layer_tensors = per_layer
         if packed:
             store.packed, store.packed_offsets, store.packed_row_bytes = buffers, offsets, row_bytes
         return store
