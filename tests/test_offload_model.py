@@ -317,3 +317,36 @@ def test_tiny_checkpoint_small_cache_is_bitwise_resident_at_the_default_thread_c
         ids = (torch.tensor(list(text[:n])) + 3).unsqueeze(0)
         assert_bitwise_equal(off(ids).logits, res(ids).logits, what=f"{n} tokens, cpu_experts={cpu_experts!r}")
     assert (rt.cpu_stats().cpu_experts > 0) == (cpu_experts == "always")
+
+
+@pytest.mark.parametrize("key, layer, expert, tensor", [
+    ("model.layers.2.block_sparse_moe.experts.5.w3.weight", 2, 5, "gate_up"),  # the up half
+    ("model.layers.0.block_sparse_moe.experts.0.w2.weight", 0, 0, "down"),
+])
+def test_mmap_store_refuses_a_checkpoint_that_is_not_the_models(tmp_path, key, layer, expert, tensor):
+    """Same shapes, one expert's weights x1.5 in the file: refused at attach, naming layer and expert; the
+    refused call leaves the model as it was (it then offloads from its own checkpoint, bit for bit)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+    from moeflow.offload.store import ExpertMismatchError
+
+    other = tmp_path / "other"
+    shutil.copytree(TINY, other)
+    sd = load_file(str(other / "model.safetensors"))
+    sd[key] = sd[key] * 1.5
+    save_file(sd, str(other / "model.safetensors"), metadata={"format": "pt"})
+    res = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    patch_model(res)
+    cfg = dict(gpu_slots=4, device="cpu", store="mmap")
+    with pytest.raises(ExpertMismatchError, match=rf"layer {layer} .*expert {expert}: {tensor} row") as err:
+        patch_model(off, offload=OffloadConfig(**cfg, checkpoint=str(other)))
+    assert (err.value.layer, err.value.expert, err.value.tensor) == (layer, expert, tensor)
+    assert off.model.layers[0].mlp.experts.gate_up_proj.numel() > 0, "nothing was released"
+    patch_model(off, offload=OffloadConfig(**cfg, checkpoint=str(TINY)))
+    ids = (torch.tensor(list(b"def f(x):\n    return x\n")) + 3).unsqueeze(0)
+    assert_bitwise_equal(off(ids).logits, res(ids).logits, what="own checkpoint")

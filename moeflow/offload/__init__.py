@@ -20,6 +20,7 @@ from moeflow._lazy import lazy_exports
 _EXPORTS = {
     "OffloadConfig": "moeflow.offload.config",
     "ExpertStore": "moeflow.offload.store",
+    "ExpertMismatchError": "moeflow.offload.store",
     "ExpertCache": "moeflow.offload.cache",
     "SlotTable": "moeflow.offload.slots",
     "CacheStats": "moeflow.offload.slots",

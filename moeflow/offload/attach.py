@@ -83,7 +83,7 @@ from .cpu_experts import (
 from .policy import make_policy
 from .prefetch import Prefetcher, read_back
 from .slots import Key
-from .store import ExpertStore, available_host_bytes
+from .store import ExpertStore, available_host_bytes, check_matches
 from .syncfree import SyncFreeOffload
 
 # "auto" pins a host copy only when it leaves this much of the available memory free
@@ -666,6 +666,9 @@ def attach_offload(layers: Sequence, config: OffloadConfig, *, release: bool = T
             if store.num_experts[i] != w.num_experts:
                 raise ValueError(f"layers[{i}]: {w.num_experts} experts, but checkpoint layer {ids[i]} "
                                  f"has {store.num_experts[i]}")
+        # the file must hold the model's experts: sampled rows against the resident tensors
+        check_matches(store, weights, layer_ids=ids, expert_ids=expert_ids,
+                      source=f"OffloadConfig.checkpoint={os.fspath(config.checkpoint)!r}")
     else:
         store = ExpertStore.from_weights(weights, mode=mode, progress=progress, packed=config.sync_free)
     runtime = OffloadRuntime(layers, store, config)

@@ -62,6 +62,73 @@ def available_host_bytes() -> int | None:
     return None
 
 
+class ExpertMismatchError(ValueError):
+    """A store's expert is not the model's: the checkpoint read lazily (mode "mmap") holds other weights.
+
+    Attributes: layer (the checkpoint's decoder-layer number), expert (its expert id), tensor
+    (gate_up / down / a bias), row (the sampled row of the per-expert tensor that differs).
+    """
+
+    def __init__(self, message: str, *, layer: int, expert: int, tensor: str, row: int | None) -> None:
+        super().__init__(message)
+        self.layer, self.expert, self.tensor, self.row = layer, expert, tensor, row
+
+
+# Rows of each per-expert tensor compared by `check_matches` (first, middle, last): a few
+# pages of the checkpoint per expert, read once at attach.
+def _sample_rows(n: int) -> list[int]:
+    return sorted({0, n // 2, n - 1}) if n > 0 else []
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """t's bytes as integers (NaN compares equal to the same NaN; -0.0 differs from 0.0)."""
+    return t.reshape(-1).contiguous().view(torch.uint8)
+
+
+def check_matches(store: ExpertStore, weights: Sequence, *, layer_ids: Sequence[int],
+                  expert_ids: Sequence[Sequence[int]] | None = None, source: str = "the checkpoint") -> None:
+    """ExpertMismatchError unless each store expert's sampled rows equal the model's resident ones.
+
+    A fingerprint, not a full comparison: per layer, expert and tensor, the first, middle and
+    last rows (as a slot copy would convert them: to the resident tensor's dtype), and the
+    per-expert shapes. Catches another checkpoint, another revision or rescaled weights of the
+    same shapes before they serve a single step; an edit confined to unsampled rows passes.
+
+    store: the lazily read store; weights: the layers' resident ExpertWeights, in store order;
+    layer_ids: the checkpoint layer numbers (for the message); expert_ids: per layer the
+    checkpoint expert each store expert is (expert parallelism), None: the same ids.
+    """
+    for i, w in enumerate(weights):
+        layer = int(layer_ids[i])
+        held = {n for n in w.TENSOR_FIELDS if getattr(w, n) is not None}
+        if held != set(store.shapes):
+            raise ExpertMismatchError(
+                f"{source}: layer {layer} (layers[{i}]) holds expert tensors {sorted(store.shapes)}, the model's "
+                f"layer holds {sorted(held)}; expected the checkpoint the model was loaded from",
+                layer=layer, expert=0, tensor=sorted(held ^ set(store.shapes))[0], row=None)
+        for name, shape in store.shapes.items():
+            got = tuple(getattr(w, name).shape[1:])
+            if got != tuple(shape):
+                raise ExpertMismatchError(
+                    f"{source}: layer {layer} (layers[{i}]) {name}: per-expert shape {tuple(shape)}, the model's is "
+                    f"{got}; expected the checkpoint the model was loaded from", layer=layer, expert=0, tensor=name,
+                    row=None)
+        for e in range(store.num_experts[i]):
+            ce = int(expert_ids[i][e]) if expert_ids is not None else e
+            for name, rows, src in store.pieces(i, e):
+                res = getattr(w, name)[e]
+                start = 0 if rows is None else rows[0]
+                for r in _sample_rows(int(src.shape[0]) if src.dim() else 0):
+                    a, b = src[r].to(res.dtype), res[start + r]
+                    if not torch.equal(_bits(a), _bits(b)):
+                        diff = (a.float() - b.float()).abs().max().item()
+                        raise ExpertMismatchError(
+                            f"{source}: layer {layer} (layers[{i}]) expert {ce}: {name} row {start + r} differs from "
+                            f"the model's resident weights (max |diff| {diff:.3g}); the checkpoint is not the one the "
+                            f"model was loaded from; expected that checkpoint (OffloadConfig.checkpoint) or "
+                            f"store='pinned'", layer=layer, expert=ce, tensor=name, row=start + r)
+
+
 class ExpertStore:
     """All offloaded experts on the host (see module doc for modes and shapes).
 
