@@ -195,3 +195,33 @@ def test_bad_routing_inputs():
         ep_plan(torch.tensor([[0, 1], [2, -1]], dtype=torch.int32), torch.zeros(2, 2), ranges)
     with pytest.raises(ValueError, match="ids_TK: expected a 2-D"):
         ep_plan(torch.zeros(4, dtype=torch.int32), torch.zeros(4), ranges)
+
+
+def test_dispatcher_options_are_checked_by_name():
+    """all_reduce-only options given to all_to_all are refused, not ignored; reduce_dtype takes a dtype or its
+    name and refuses anything else by name. One gloo rank (a HashStore group: no ports, no processes)."""
+    import torch.distributed as dist
+
+    from moeflow.config import MoEConfig
+    from moeflow.parallel.ep_parts import make_dispatcher
+    from moeflow.routing.spec import RouterSpec
+
+    cfg = MoEConfig(hidden_size=8, intermediate_size=8, activation="silu",
+                    router=RouterSpec(score_fn="softmax", num_experts=4, top_k=2))
+    made_here = not dist.is_initialized()
+    if made_here:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        g = dist.group.WORLD
+        for opt in ({"reduce_dtype": "float32"}, {"check_inputs": False}):
+            with pytest.raises(ValueError, match=f"{next(iter(opt))}=.*an all_reduce option"):
+                make_dispatcher(cfg, group=g, mode="all_to_all", **opt)
+        assert make_dispatcher(cfg, group=g, mode="all_reduce", reduce_dtype="bfloat16").reduce_dtype == torch.bfloat16
+        assert make_dispatcher(cfg, group=g, mode="all_reduce").reduce_dtype == torch.float32
+        with pytest.raises(TypeError, match="reduce_dtype='int8'"):
+            make_dispatcher(cfg, group=g, mode="all_reduce", reduce_dtype="int8")
+        with pytest.raises(TypeError, match="check_inputs='yes'"):
+            make_dispatcher(cfg, group=g, mode="all_reduce", check_inputs="yes")
+    finally:
+        if made_here:
+            dist.destroy_process_group()

@@ -70,8 +70,8 @@ def load_ep_layer(
     static_tokens: int | None = None,
     timeout_s: float | None = None,
     check_config: bool = True,
-    reduce_dtype: torch.dtype = torch.float32,
-    check_inputs: bool = True,
+    reduce_dtype: torch.dtype | str | None = None,
+    check_inputs: bool | None = None,
 ) -> MoELayer:
     """Build layer `layer_idx`'s expert-parallel MoELayer reading only this rank's experts.
 

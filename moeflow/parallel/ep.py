@@ -83,8 +83,8 @@ def shard_layer(
     timeout_s: float | None = None,
     experts_impl: Any = None,
     check_config: bool = True,
-    reduce_dtype: torch.dtype = torch.float32,
-    check_inputs: bool = True,
+    reduce_dtype: torch.dtype | str | None = None,
+    check_inputs: bool | None = None,
 ):
     """Shard `layer`'s routed experts over `group`: a new MoELayer with an EP dispatcher.
 
@@ -105,8 +105,9 @@ def shard_layer(
         experts_impl: override the layer's experts implementation (a name, or an object
             with forward_pairs).
         check_config: all-gather a fingerprint at set-up and refuse mismatched ranks.
-        reduce_dtype: all_reduce mode's partial-sum dtype on the wire.
-        check_inputs: all_reduce mode: check each call that the ranks hold the same tokens.
+        reduce_dtype: all_reduce mode's partial-sum dtype on the wire (None: float32; a dtype or its name).
+        check_inputs: all_reduce mode: check each call that the ranks hold the same tokens (None: True).
+            Either given with mode "all_to_all" is a ValueError (an option that mode would ignore).
 
     Returns:
         a MoELayer (layer.replace(...)): `dispatcher` (placement, rank, world_size,

@@ -56,18 +56,28 @@ def resolve_placement(placement: PlacementLike, num_experts: int, world_size: in
 
 def make_dispatcher(config: MoEConfig, *, group: dist.ProcessGroup, mode: str = "all_to_all",
                     placement: PlacementLike = None, static_tokens: int | None = None,
-                    timeout_s: float | None = None, reduce_dtype: torch.dtype = torch.float32,
-                    check_inputs: bool = True) -> AllToAllDispatcher | AllReduceDispatcher:
+                    timeout_s: float | None = None, reduce_dtype: torch.dtype | str | None = None,
+                    check_inputs: bool | None = None) -> AllToAllDispatcher | AllReduceDispatcher:
     """The expert-parallel Dispatcher of `mode` over `group` (not collective).
 
     static_tokens: all_to_all: the decode mode's token budget Tm (None: dynamic);
         all_reduce: any int selects the fixed-shape (host-read free) row selection.
-    reduce_dtype / check_inputs: all_reduce only (see AllReduceDispatcher).
+    reduce_dtype / check_inputs: all_reduce only (see AllReduceDispatcher; None: float32 / True); given with
+        mode "all_to_all" they are refused by name rather than ignored. reduce_dtype may be a torch dtype or its
+        name ("float32", "bfloat16", "float16").
     The dispatcher carries `placement`, `rank`, `world_size` and `local_ids` (this rank's
     experts in local order).
     """
     if mode not in EP_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {EP_MODES}")
+    if mode == "all_to_all":
+        for name, v in (("reduce_dtype", reduce_dtype), ("check_inputs", check_inputs)):
+            if v is not None:
+                raise ValueError(f"{name}={v!r}: an all_reduce option; mode='all_to_all' has no use for it "
+                                 f"(pass mode='all_reduce', or leave it out)")
+    reduce_dtype = _reduce_dtype(reduce_dtype)
+    if check_inputs is not None and not isinstance(check_inputs, bool):
+        raise TypeError(f"check_inputs={check_inputs!r}: expected True or False")
     timeout_s = check_timeout(timeout_s)
     W = group_size(group)
     p = resolve_placement(placement, config.num_experts, W)
@@ -77,10 +87,24 @@ def make_dispatcher(config: MoEConfig, *, group: dist.ProcessGroup, mode: str = 
     else:
         d = AllReduceDispatcher(p, group, timeout_s=timeout_s, static=static_tokens is not None,
                                 reduce_dtype=reduce_dtype, num_zero_experts=config.router.num_zero_experts,
-                                check_inputs=check_inputs)
+                                check_inputs=True if check_inputs is None else check_inputs)
     d.local_ids = p.experts_of(d.rank)
     d.static_tokens = static_tokens
     return d
+
+
+_REDUCE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _reduce_dtype(v: torch.dtype | str | None) -> torch.dtype:
+    """all_reduce's wire dtype from a torch dtype or its name (None: float32); TypeError naming the field else."""
+    if v is None:
+        return torch.float32
+    if isinstance(v, str) and v.removeprefix("torch.") in _REDUCE_DTYPES:
+        return _REDUCE_DTYPES[v.removeprefix("torch.")]
+    if isinstance(v, torch.dtype) and v in _REDUCE_DTYPES.values():
+        return v
+    raise TypeError(f"reduce_dtype={v!r}: expected one of {sorted(_REDUCE_DTYPES)} (a torch dtype or its name)")
 
 
 def _with_zero_expert(w: ExpertWeights) -> ExpertWeights:
