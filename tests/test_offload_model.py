@@ -350,3 +350,77 @@ def test_mmap_store_refuses_a_checkpoint_that_is_not_the_models(tmp_path, key, l
     patch_model(off, offload=OffloadConfig(**cfg, checkpoint=str(TINY)))
     ids = (torch.tensor(list(b"def f(x):\n    return x\n")) + 3).unsqueeze(0)
     assert_bitwise_equal(off(ids).logits, res(ids).logits, what="own checkpoint")
+
+
+def _tiny_state_dict_x15():
+    """The embedded model's state_dict with every expert tensor x1.5, and a resident model patched on it."""
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+
+    sd = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).state_dict()
+    sd = {k: v * 1.5 if ".experts." in k else v.clone() for k, v in sd.items()}
+    ref = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    ref.load_state_dict(sd)
+    patch_model(ref)
+    return sd, ref
+
+
+@pytest.mark.parametrize("store", ["pinned", "model"])
+@pytest.mark.parametrize("assign", [False, True])
+def test_load_state_dict_on_an_offloaded_model_writes_the_host_store(store, assign):
+    """load_state_dict reaches offloaded experts through the host store (their Parameters were released, or
+    are the store itself), and the experts already cached are copied again: the new weights' resident bits."""
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+
+    sd, ref = _tiny_state_dict_x15()
+    off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    patch_model(off, offload=OffloadConfig(gpu_slots=32, device="cpu", store=store))  # every expert stays cached
+    ids = (torch.tensor(list(b"import os\nimport sys\n")) + 3).unsqueeze(0)
+    off(ids)  # the cache holds the old experts
+    off.load_state_dict(sd, assign=assign)
+    assert_bitwise_equal(off(ids).logits, ref(ids).logits, what=f"store={store} assign={assign}")
+    if store == "pinned":
+        assert off.model.layers[0].mlp.experts.gate_up_proj.numel() == 0, "still released"
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(store="mmap", checkpoint=str(TINY)), "store mode 'mmap'"),
+    (dict(store="pinned", sync_free=True), "sync_free=True"),
+])
+def test_load_state_dict_refuses_what_the_store_cannot_take_before_loading_anything(kw, match):
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+    from moeflow.offload.attach import OffloadedExpertsError
+
+    sd, _ = _tiny_state_dict_x15()
+    for k in ("model.embed_tokens.weight", "lm_head.weight"):  # tied
+        if k in sd:
+            sd[k] = sd[k] + 1.0
+    off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    patch_model(off, offload=OffloadConfig(gpu_slots=8, device="cpu", **kw))
+    before = off.model.embed_tokens.weight.clone()
+    with pytest.raises(OffloadedExpertsError, match=rf"model.layers.0.mlp.experts.gate_up_proj.*{match}"):
+        off.load_state_dict(sd)
+    assert torch.equal(off.model.embed_tokens.weight, before), "refused before torch loaded anything"
+    # without the expert tensors the rest loads
+    off.load_state_dict({k: v for k, v in sd.items() if ".experts." not in k}, strict=False)
+    assert torch.equal(off.model.embed_tokens.weight, sd["model.embed_tokens.weight"])
+
+
+def test_load_state_dict_refuses_an_expert_tensor_of_another_shape():
+    from transformers import AutoModelForCausalLM
+
+    from moeflow.hf import patch_model
+    from moeflow.offload.attach import OffloadedExpertsError
+
+    sd, _ = _tiny_state_dict_x15()
+    key = "model.layers.1.mlp.experts.down_proj"
+    sd[key] = sd[key][:, :, :-1]
+    off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
+    patch_model(off, offload=OffloadConfig(gpu_slots=4, device="cpu"))
+    with pytest.raises(OffloadedExpertsError, match=rf"{key}: shape \(8, 128, 255\), expected \(8, 128, 256\)"):
+        off.load_state_dict(sd)

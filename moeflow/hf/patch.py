@@ -375,6 +375,11 @@ def patch_model(
             runner=type(layer).__name__, dispatcher=layer.dispatcher.name,
             source="offload" if offload is not None else "resident",
         ))
+    if offload is not None:
+        # the experts' Parameters were released to the offload store: load_state_dict writes them there
+        hook = layers[0].offload.state_dict_hook([(layer, block, path) for path, block, _, _, layer in plans])
+        if hook is not None:
+            model.register_load_state_dict_pre_hook(hook)
     if layer_graphs is not False:
         enable_layer_graphs(model, **graph_options)
     return PatchReport(

@@ -28,6 +28,7 @@ _EXPORTS = {
     "attach_offload": "moeflow.offload.attach",
     "OffloadRuntime": "moeflow.offload.attach",
     "OffloadedExperts": "moeflow.offload.attach",
+    "OffloadedExpertsError": "moeflow.offload.attach",
     "Trace": "moeflow.offload.trace",
     "record_trace": "moeflow.offload.trace",
     "replay": "moeflow.offload.trace",

@@ -89,7 +89,18 @@ from .syncfree import SyncFreeOffload
 # "auto" pins a host copy only when it leaves this much of the available memory free
 _HOST_MARGIN = 0.8
 
-__all__ = ["OffloadRuntime", "OffloadedExperts", "attach_offload", "check_offload"]
+__all__ = ["OffloadRuntime", "OffloadedExperts", "OffloadedExpertsError", "attach_offload", "check_offload"]
+
+
+class OffloadedExpertsError(ValueError):
+    """An offloaded layer's experts cannot be written this way (`load_state_dict`, `OffloadRuntime.load_experts`).
+
+    Attributes: layer (the layer's position in the runtime), tensor (the expert tensor, or None).
+    """
+
+    def __init__(self, message: str, *, layer: int, tensor: str | None = None) -> None:
+        super().__init__(message)
+        self.layer, self.tensor = layer, tensor
 
 
 class OffloadedExperts:
@@ -175,6 +186,9 @@ class OffloadRuntime:
     def install(self) -> None:
         """Give every layer its OffloadedExperts source (the resident ones are kept for detach)."""
         self._resident = [layer.source for layer in self.layers]
+        # per layer: expert tensor name -> (the model's Parameter holding it, its row range or None,
+        # the Parameter's shape before any release): what a state_dict names (state_dict_hook)
+        self._params = [_expert_params(src, self.store.shapes) for src in self._resident]
         for layer, src in zip(self.layers, self.sources):
             layer.set_source(src)
             layer.offload = self
@@ -493,6 +507,110 @@ class OffloadRuntime:
             ids = remap[ids.long()]
         return impl.forward_pairs(x_NH.to("cpu"), ids, w, config)
 
+    # ---- writing the experts ---------------------------------------------------------------
+    def load_experts(self, pos: int, tensors: dict[str, torch.Tensor]) -> None:
+        """Write layer `pos`'s experts into the host store and copy its cached experts again.
+
+        tensors: name (gate_up, down, the biases; quantized: the stored data and scales) -> the
+        layer's E served experts [E, *per-expert shape], as the store holds them; a subset of the
+        names is fine. Floating tensors are converted to the store's dtype (as load_state_dict's
+        copy converts), others must have it. What `load_state_dict` on a patched model does for
+        offloaded experts (`state_dict_hook`). OffloadedExpertsError, before anything is written,
+        for a store that cannot take the write (mmap: the checkpoint file is the store; the
+        sync-free path's device tables) or a tensor of another name, shape or dtype.
+        """
+        self._check_load(pos, tensors)
+        self._write(pos, tensors)
+
+    def _check_load(self, pos: int, tensors: dict[str, torch.Tensor]) -> None:
+        store = self.store
+        if isinstance(pos, bool) or not isinstance(pos, int) or not 0 <= pos < store.num_layers:
+            raise ValueError(f"load_experts: pos={pos!r}, expected a layer position in [0, {store.num_layers})")
+        what = ("drop the offloaded layers' expert tensors from the state_dict, or load the model with these "
+                "weights before patch_model(..., offload=...)")
+        if store.layer_tensors is None:
+            raise OffloadedExpertsError(
+                f"layer {pos}: offloaded experts cannot be written to store mode {store.mode!r} (the experts are "
+                f"read from OffloadConfig.checkpoint on each miss); {what}, or offload with store='pinned'",
+                layer=pos)
+        if self.graph is not None:
+            raise OffloadedExpertsError(
+                f"layer {pos}: offloaded experts cannot be written with OffloadConfig.sync_free=True (its device "
+                f"tables and staged copies are not refreshed); {what}", layer=pos)
+        E = store.num_experts[pos]
+        for name, t in tensors.items():
+            if name not in store.shapes:
+                raise OffloadedExpertsError(f"layer {pos}: {name!r} is not an expert tensor of this store, expected "
+                                            f"one of {sorted(store.shapes)}", layer=pos, tensor=name)
+            want = (E, *store.shapes[name])
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                raise OffloadedExpertsError(f"layer {pos}: {name} shape {tuple(getattr(t, 'shape', ()))}, expected "
+                                            f"{want} (the layer's {E} experts)", layer=pos, tensor=name)
+            dst = store.layer_tensors[pos][name]
+            if t.dtype != dst.dtype and not (t.dtype.is_floating_point and dst.dtype.is_floating_point
+                                             and dst.element_size() > 1):
+                raise OffloadedExpertsError(f"layer {pos}: {name} dtype {t.dtype}, expected {dst.dtype} (stored "
+                                            f"bytes are not converted)", layer=pos, tensor=name)
+
+    def _write(self, pos: int, tensors: dict[str, torch.Tensor]) -> None:
+        with self.lock:
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # no copy still reads the host rows written below
+            with torch.no_grad():
+                for name, t in tensors.items():
+                    self.store.layer_tensors[pos][name].copy_(t)
+            self.cache.refresh(pos)
+
+    def state_dict_hook(self, blocks: Sequence[tuple[object, torch.nn.Module, str]]):
+        """A load_state_dict pre-hook for the model's root module that writes the offloaded experts to the host store.
+
+        blocks: (layer, module, path): each offloaded MoELayer, the model's module whose
+        Parameters its experts were (a patched HF block) and that module's path from the root.
+        When a state_dict names those Parameters, the hook checks every named expert tensor of
+        every layer (shape as the model held it; what `load_experts` refuses, e.g. an mmap store)
+        before writing any, so a refusal (OffloadedExpertsError naming the key) comes before torch
+        loads anything; then writes them (`load_experts`) and hands torch an empty tensor for each
+        released Parameter, so its size check passes and nothing more is written there. Register
+        it on the root: `model.register_load_state_dict_pre_hook(hook)`. None when no block
+        holds such a Parameter.
+        """
+        keymap: dict[str, tuple[int, str, torch.nn.Parameter, tuple[int, int] | None, tuple[int, ...]]] = {}
+        for layer, module, path in blocks:
+            pos = self.layers.index(layer)
+            names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+            for name, (base, rows, shape) in self._params[pos].items():
+                if id(base) in names:
+                    keymap[(f"{path}." if path else "") + names[id(base)]] = (pos, name, base, rows, shape)
+        if not keymap:
+            return None
+
+        def hook(mod, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs):
+            found = {prefix + k: v for k, v in keymap.items() if prefix + k in state_dict}
+            per_layer: dict[int, dict[str, torch.Tensor]] = {}
+            keys: dict[tuple[int, str], str] = {}
+            for key, (pos, name, _, rows, shape) in found.items():
+                t = state_dict[key]
+                if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+                    raise OffloadedExpertsError(
+                        f"load_state_dict: {key}: shape {tuple(getattr(t, 'shape', ()))}, expected {shape} (layer "
+                        f"{pos}'s offloaded experts as the model held them)", layer=pos, tensor=name)
+                per_layer.setdefault(pos, {})[name] = t if rows is None else t.narrow(0, rows[0], rows[1])
+                keys[(pos, name)] = key
+            for pos, tensors in per_layer.items():  # every check before the first write
+                try:
+                    self._check_load(pos, tensors)
+                except OffloadedExpertsError as exc:
+                    key = keys.get((pos, exc.tensor)) or ", ".join(keys[(pos, n)] for n in tensors)
+                    raise OffloadedExpertsError(f"load_state_dict: {key}: {exc}", layer=pos, tensor=exc.tensor) \
+                        from None
+            for pos, tensors in per_layer.items():
+                self._write(pos, tensors)
+            for key, (_, _, base, _, _) in found.items():
+                if base.numel() == 0:  # released: the store holds the values now
+                    state_dict[key] = base.detach()
+
+        return hook
+
     # ---- reporting ------------------------------------------------------------------------
     def stats(self) -> CacheStats:
         return self.cache.stats()
@@ -520,6 +638,25 @@ class OffloadRuntime:
         self._cpu_stats.__init__()
         if self.graph is not None:
             self.graph.reset_stats()
+
+
+def _expert_params(src, names) -> dict[str, tuple[torch.nn.Parameter, tuple[int, int] | None, tuple[int, ...]]]:
+    """name -> (the Parameter a resident source's expert tensor is, or is rows of; the row range; its shape).
+
+    Tensors that are no model Parameter (a rank's local copies) are left out: no state_dict names them.
+    """
+    from ..refs import param_rows
+
+    out = {}
+    ref = getattr(src, "ref", None)
+    for name in names:
+        t = ref(name) if ref is not None else None
+        if isinstance(t, torch.nn.Parameter):
+            out[name] = (t, None, tuple(t.shape))
+        elif isinstance(t, torch.Tensor) and (rows := param_rows(t)) is not None:
+            base, start, length = rows
+            out[name] = (base, (start, length), tuple(base.shape))
+    return out
 
 
 def _with_zero_expert(w: ExpertWeights) -> ExpertWeights:

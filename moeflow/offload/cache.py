@@ -218,6 +218,20 @@ class ExpertCache:
         self.table.stats.__init__()
         self.table.prefetched.clear()
 
+    def refresh(self, layer: int) -> int:
+        """Copy the resident experts of `layer` into their slots again (after the store's tensors changed).
+
+        The same engine calls as a miss (the copies follow every kernel enqueued so far; the next
+        step's compute waits on their slots). Returns how many slots were copied.
+        """
+        self.engine.mark()
+        n = 0
+        for slot, key in enumerate(self.table.slot_key):
+            if key is not None and key[0] == layer:
+                self.engine.copy(slot, self._pieces(key, slot))
+                n += 1
+        return n
+
     def warm(self, keys: Sequence[Key]) -> None:
         """Fill slots with `keys` in order (e.g. the most used experts) before serving."""
         keys = list(dict.fromkeys(keys))[: self.num_slots]
