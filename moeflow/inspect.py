@@ -13,6 +13,16 @@ import struct
 from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
+
+from .checkpoint.files import (
+    CheckpointError,
+    check_layer_claims,
+    check_regular_file,
+    hf_config,
+    layer_ids,
+    read_config_json,
+)
 
 _DTYPE_BYTES = {"F64": 8, "F32": 4, "F16": 2, "BF16": 2, "I64": 8, "I32": 4, "I16": 2, "I8": 1, "U8": 1,
                 "BOOL": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F4": 0.5}
@@ -26,6 +36,7 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
     ValueError naming the file when it is not a safetensors file or is shorter than its
     header says (a truncated download): the sizes `info` prints come from this table.
     """
+    check_regular_file(path, "safetensors file")  # a FIFO would block the read forever
     size = os.path.getsize(path)
     with open(path, "rb") as f:
         raw = f.read(8)
@@ -36,6 +47,8 @@ def read_safetensors_header(path: Path) -> dict[str, dict]:
             raise ValueError(f"{path}: header of {n} bytes, but the file holds {size} bytes (truncated?)")
         try:
             header = json.loads(f.read(n))
+        except RecursionError:
+            raise CheckpointError(f"{path}: safetensors header nested too deeply to parse; the file is corrupt") from None
         except (json.JSONDecodeError, UnicodeDecodeError) as exc:
             raise ValueError(f"{path}: safetensors header is not valid JSON ({exc}); the file is corrupt") from exc
     if not isinstance(header, dict):
@@ -92,25 +105,26 @@ class CheckpointInfo:
         return None if self.slots is None else self.other_bytes + self.slots * self.expert_bytes
 
 
-def load_config(path: Path):
-    """The checkpoint's transformers config; ValueError naming config.json and the fault."""
+def _config_json(path: Path) -> tuple[Path, dict]:
+    """(path/config.json, its parsed dict): FileNotFoundError when absent, ConfigError when unreadable."""
     if not path.is_dir():
         raise FileNotFoundError(f"{path} is not a directory (expected a checkpoint dir with config.json)")
     cfg_file = path / "config.json"
-    if not cfg_file.is_file():
+    if not os.path.lexists(cfg_file):
         raise FileNotFoundError(f"no config.json in {path}")
-    try:
-        raw = json.loads(cfg_file.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise ValueError(f"{cfg_file}: not valid JSON ({exc})") from exc
-    if not isinstance(raw, dict) or "model_type" not in raw:
-        raise ValueError(f"{cfg_file}: no 'model_type' (expected a Hugging Face model config)")
-    from transformers import AutoConfig
+    return cfg_file, read_config_json(cfg_file)
 
-    try:
-        return AutoConfig.from_pretrained(str(path))
-    except (OSError, KeyError, ValueError, TypeError) as exc:
-        raise ValueError(f"{cfg_file}: transformers cannot read it ({type(exc).__name__}: {exc})") from exc
+
+def load_config(path: Path, *, layers: set[int] | None = None):
+    """The checkpoint's transformers config; ConfigError (a ValueError) naming config.json and the fault.
+
+    layers: the decoder-layer ids the checkpoint's tensor names hold; given, a config.json
+    that claims more layers is refused before transformers builds per-layer lists of them.
+    """
+    cfg_file, raw = _config_json(path)
+    if layers is not None:
+        check_layer_claims(raw, layers, str(cfg_file))
+    return hf_config(path)
 
 
 def _stored_experts(root: Path, layer: int, names: dict[str, dict]) -> tuple[set[int], int]:
@@ -147,16 +161,22 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
     from .routing.families import family_of, router_spec_from_hf
 
     root = Path(path)
-    config = load_config(root)
-    family = family_of(config)
+    _, raw = _config_json(root)  # a missing or broken config.json is named before the weights
+    if raw["model_type"] != "kimi_k25":  # (a wrapper: its family is its text_config's, known after parsing)
+        family_of(SimpleNamespace(model_type=raw["model_type"]))  # an unsupported family, likewise
     files = sorted(root.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors files in {root} (the weights are missing)")
+    headers = [read_safetensors_header(f) for f in files]
+    # The headers first: config.json's claims are checked against the stored tensors before
+    # transformers reads it.
+    config = load_config(root, layers=layer_ids(name for h in headers for name in h))
+    family = family_of(config)
     routed_by_layer: dict[int, int] = defaultdict(int)
     routed_names: dict[int, dict[str, dict]] = defaultdict(dict)
     other = 0
-    for f in files:
-        for name, entry in read_safetensors_header(f).items():
+    for header in headers:
+        for name, entry in header.items():
             m = _LAYER_RE.search(name)
             is_routed = ".experts." in name and "shared" not in name
             if m and is_routed:

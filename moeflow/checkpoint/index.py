@@ -11,12 +11,15 @@ Legend: E experts (first dimension of a fused expert tensor).
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import torch
+
+from .files import CheckpointError, ConfigError, check_regular_file, check_shard_name, read_json
+
+__all__ = ["CheckpointError", "CheckpointIndex", "ConfigError", "TensorInfo", "INDEX_FILE", "SINGLE_FILE"]
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -31,14 +34,6 @@ _ST_DTYPES: dict[str, torch.dtype] = {
 for _name, _attr in (("F8_E4M3", "float8_e4m3fn"), ("F8_E5M2", "float8_e5m2"), ("F8_E8M0", "float8_e8m0fnu")):
     if hasattr(torch, _attr):
         _ST_DTYPES[_name] = getattr(torch, _attr)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint does not match what the model expects; the message names the key."""
-
-    def __init__(self, message: str, *, key: str | None = None):
-        super().__init__(message)
-        self.key = key
 
 
 @dataclass(frozen=True)
@@ -91,10 +86,11 @@ class CheckpointIndex:
                         f"(safetensors files found: {found})"
                     )
                 files, single = None, os.path.join(path, found[0])
-        elif os.path.isfile(path) and path.endswith(".json"):
+        elif os.path.exists(path) and path.endswith(".json"):
             directory = os.path.dirname(os.path.abspath(path))
             files = self._read_index(path)
-        elif os.path.isfile(path) and path.endswith(".safetensors"):
+        elif os.path.exists(path) and path.endswith(".safetensors"):
+            check_regular_file(path, "safetensors file")
             directory = os.path.dirname(os.path.abspath(path))
             files, single = None, path
         else:
@@ -114,21 +110,18 @@ class CheckpointIndex:
 
     @staticmethod
     def _read_index(index_path: str) -> dict[str, str]:
-        with open(index_path) as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise CheckpointError(f"{index_path}: not valid JSON ({exc}); expected a safetensors index") from exc
+        data = read_json(index_path, "safetensors index")
         weight_map = data.get("weight_map") if isinstance(data, dict) else None
         if not isinstance(weight_map, dict) or not weight_map:
             raise CheckpointError(f"{index_path}: no 'weight_map' (expected a key -> shard file mapping)")
-        return dict(weight_map)
+        return {k: check_shard_name(v, key=k, index_path=index_path) for k, v in weight_map.items()}
 
     def _open(self, file: str):
         handle = self._handles.get(file)
         if handle is None:
             if not os.path.exists(file):
                 raise CheckpointError(f"CheckpointIndex: shard {file!r} named by the index does not exist")
+            check_regular_file(file, "safetensors shard")
             from safetensors import safe_open
 
             try:

@@ -22,6 +22,7 @@ Is shared-expert intermediate, V vocabulary, K experts per token, n experts load
 
 from __future__ import annotations
 
+import operator
 import os
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ from torch import nn
 
 from ..routing.families import text_config
 from .families import Dims, KeyAdapter, adapter_for
+from .files import check_layer_claims, hf_config, layer_bound, layer_ids, read_config_json
 from .index import CheckpointError, CheckpointIndex
 
 # Dtype classes of the roles: "weight" tensors must all have the model's dtype; "aux"
@@ -152,14 +154,14 @@ def _resolve_config(index: CheckpointIndex, family_or_config: Any) -> tuple[KeyA
     """(adapter, text config) from a family name, a model_type, or an HF config object."""
     if family_or_config is None or isinstance(family_or_config, str):
         config_path = os.path.join(index.directory, "config.json")
-        if not os.path.exists(config_path):
+        if not os.path.lexists(config_path):
             raise CheckpointError(
                 f"load_moe_layer: no config.json in {index.directory!r}; pass the model's HF config instead "
                 f"of family={family_or_config!r}"
             )
-        from transformers import AutoConfig
-
-        config = AutoConfig.from_pretrained(index.directory)
+        # The claims transformers would act on are checked against the tensor names first.
+        check_layer_claims(read_config_json(config_path), layer_ids(index.keys()), config_path)
+        config = hf_config(index.directory)
     else:
         config = family_or_config
     tc = text_config(config)
@@ -217,7 +219,7 @@ def plan_layer(
         raise ValueError(f"layer_idx={layer_idx!r}: expected an int in [0, {n_layers}) for {adapter.family}")
     if not adapter.is_moe_layer(config, layer_idx):
         raise CheckpointError(f"{family_msg(adapter, layer_idx)} is a dense layer (no MoE block) in this config")
-    d = adapter.dims(config)
+    d = _checked_dims(adapter, config, layer_idx)
     if prefix is None:
         prefix = _find_prefix(index, adapter, layer_idx)
     elif not prefix.endswith("."):
@@ -239,6 +241,9 @@ def plan_layer(
         alt = f" (nor the per-expert {prefix + per.expert[0].format(e=0)})" if per is not None else ""
         raise CheckpointError(f"{family_msg(adapter, layer_idx)}: missing key {fused_key}{alt}", key=fused_key)
 
+    # The router's header shape backs the expert count with stored bytes: checked before any
+    # list proportional to E (3 E per-expert slots) is built.
+    _check_router_claim(index, prefix + names.router, d, f"{family_msg(adapter, layer_idx)} ({fmt} format)")
     extras = adapter.layer_extras(config, layer_idx)
     E, H, I = d.E, d.H, d.I
     slots: list[_Slot] = [_Slot("router_weight", prefix + names.router, (E + d.Z, H), _AUX)]
@@ -295,6 +300,39 @@ def plan_layer(
                      quant=quant)
     _account(index, plan, _model_dtype(config))
     return plan
+
+
+def _checked_dims(adapter: KeyAdapter, config: Any, layer_idx: int) -> Dims:
+    """The family's Dims of `config`, each an int in range, or a CheckpointError naming it."""
+    d = adapter.dims(config)
+    for name, low in (("E", 1), ("H", 1), ("I", 1), ("K", 1), ("Is", 0), ("Z", 0), ("V", 0)):
+        v = getattr(d, name)
+        if isinstance(v, bool) or not isinstance(v, int) or v < low:
+            raise CheckpointError(f"{family_msg(adapter, layer_idx)}: the config gives {name}={v!r}, expected an "
+                                  f"int >= {low} (legend: E experts, H hidden, I intermediate, K experts per token, "
+                                  "Is shared intermediate, Z zero experts, V vocabulary)")
+    return d
+
+
+def _check_router_claim(index: CheckpointIndex, key: str, d: Dims, where: str) -> None:
+    """CheckpointError unless the router weight's stored shape is [E + Z, H] as the config claims."""
+    if key not in index:
+        return  # the accounting names the missing key
+    shape = index.info(key).shape
+    if shape != (d.E + d.Z, d.H):
+        z = f" + Z={d.Z}" if d.Z else ""
+        raise CheckpointError(f"{where}: {key}: shape {list(shape)}, expected {[d.E + d.Z, d.H]} (the config's "
+                              f"E={d.E}{z} experts, H={d.H})", key=key)
+
+
+def _num_layers(index: CheckpointIndex, adapter: KeyAdapter, config: Any) -> int:
+    """The config's layer count, refused (CheckpointError) above the layers the tensor names hold."""
+    n = adapter.num_layers(config)
+    bound, held = layer_bound(layer_ids(index.keys()))
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= bound:
+        raise CheckpointError(f"{adapter.family}: config num_hidden_layers={n!r}, but {index.directory}'s tensors "
+                              f"hold {held}; expected an int at most the layers present")
+    return n
 
 
 def _quantized_slots(index: CheckpointIndex, qspec: Any, slots: list[_Slot], d: Dims,
@@ -357,9 +395,14 @@ def _expert_ids(experts: Iterable[int] | range | None, E: int) -> list[int]:
     if isinstance(experts, torch.Tensor):
         experts = experts.tolist()
     try:
-        ids = [int(e) for e in experts]
+        ids = list(experts)
     except TypeError as exc:
         raise TypeError(f"experts={experts!r}: expected None or a sequence of expert ids") from exc
+    for e in ids:
+        # operator.index takes ints (numpy's too) and refuses floats: 1.7 is no expert id.
+        if isinstance(e, bool) or not hasattr(type(e), "__index__"):
+            raise TypeError(f"experts: id {e!r} ({type(e).__name__}), expected an int expert id")
+    ids = [operator.index(e) for e in ids]
     if not ids:
         raise ValueError("experts=[]: expected at least one expert id")
     bad = [e for e in ids if not 0 <= e < E]
@@ -370,6 +413,24 @@ def _expert_ids(experts: Iterable[int] | range | None, E: int) -> list[int]:
     return ids
 
 
+def _target_dtype(dtype: Any) -> torch.dtype | None:
+    """load_moe_layer's dtype as a torch.dtype (a name such as "bfloat16" resolved), or a TypeError naming it."""
+    if dtype is None:
+        return None
+    want = "a floating torch.dtype of 16 bits or more (torch.bfloat16, ...) or its name ('bfloat16'), or None"
+    if isinstance(dtype, str):
+        resolved = getattr(torch, dtype.removeprefix("torch."), None)
+        if not isinstance(resolved, torch.dtype):
+            raise TypeError(f"dtype={dtype!r}: not a torch dtype name; expected {want}")
+        dtype = resolved
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype={dtype!r} ({type(dtype).__name__}): expected {want}")
+    if not dtype.is_floating_point or dtype.itemsize < 2:
+        # An integer or float8 target would be a bare cast of the weights, never a dequantization.
+        raise TypeError(f"dtype={dtype}: expected {want}")
+    return dtype
+
+
 def load_moe_layer(
     src: str | os.PathLike | CheckpointIndex,
     family_or_config: Any,
@@ -377,7 +438,7 @@ def load_moe_layer(
     *,
     experts: Iterable[int] | None = None,
     device: str | torch.device = "cpu",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     prefix: str | None = None,
 ) -> LayerWeights:
     """Read MoE layer `layer_idx` (its router, the `experts` asked for, biases, shared expert).
@@ -389,7 +450,8 @@ def load_moe_layer(
     experts:          global ids to load (expert parallelism, offload); None = all. Only their
                       bytes are read; the router weight is always read whole.
     dtype:            cast the expert, shared-expert and router weights to this dtype (biases,
-                      scales and hash tables keep theirs). None keeps the stored dtype.
+                      scales and hash tables keep theirs): a floating torch.dtype of 16 bits or
+                      more, or its name as in config.json ("bfloat16"). None keeps the stored dtype.
                       Quantized checkpoints (config.json quantization_config: FP8 block, MXFP4,
                       ModelOpt NVFP4; moeflow.quant): None keeps the experts quantized (an
                       ExpertWeights with `quant` and its scales); a dtype dequantizes them with
@@ -402,6 +464,7 @@ def load_moe_layer(
     """
     from ..config import ExpertWeights
 
+    dtype = _target_dtype(dtype)
     index = _as_index(src)
     plan = plan_layer(index, family_or_config, layer_idx, prefix=prefix)
     adapter, d = plan.adapter, plan.dims
@@ -476,7 +539,7 @@ def moe_layer_indices(src: str | os.PathLike | CheckpointIndex, family_or_config
     """The layer ids that hold an MoE block in this config (dense layers left out)."""
     index = _as_index(src)
     adapter, config = _resolve_config(index, family_or_config)
-    return [i for i in range(adapter.num_layers(config)) if adapter.is_moe_layer(config, i)]
+    return [i for i in range(_num_layers(index, adapter, config)) if adapter.is_moe_layer(config, i)]
 
 
 __all__ = ["LayerPlan", "LayerWeights", "SharedExpertWeights", "SharedSwiGLU", "load_moe_layer", "moe_layer_indices", "plan_layer"]
