@@ -493,3 +493,44 @@ def test_experts_from_hf_mxfp4_module_unswizzles():
     mod.gate_up_proj_precision_config = None
     with pytest.raises(ValueError, match="gate_up_proj_precision_config=None"):
         experts_from_hf_module(mod)
+
+
+# ------------------------------------------------------------------------------ scales no producer writes
+
+
+def test_quantize_nvfp4_never_writes_a_zero_block_scale():
+    """ModelOpt's rule: an all-zero block gets scale 1, and a tiny nonzero one at least the smallest e4m3
+    subnormal (2^-9), where the quantizer wrote 0, which `check_scales` refuses."""
+    w = torch.zeros(2, 48)
+    w[0, :16] = 1000.0
+    w[0, 16:32] = 1e-6  # amax16 / (6 * s2) ~ 4.5e-7: below every e4m3 value
+    packed, scale, scale_2 = quantize_nvfp4(w)
+    assert scale.float().tolist() == [[448.0, 2.0 ** -9, 1.0], [1.0, 1.0, 1.0]]
+    check_scales("scale", scale, "float")
+    assert torch.equal(dequantize_nvfp4(packed, scale, scale_2)[1], torch.zeros(48))
+
+
+def test_check_scales_refuses_values_no_producer_writes():
+    with pytest.raises(ValueError, match=r"s: holds a scale <= 0 at index \(1,\) \(-0\.0;"):
+        check_scales("s", torch.tensor([1.0, -0.0]), "float")
+    fp8 = torch.tensor([1.0, 3.4e38 / 448 * 1.01])
+    check_scales("s", fp8, "float")  # finite on its own
+    with pytest.raises(ValueError, match=r"s: holds a scale that overflows float32 times 448"):
+        check_scales("s", fp8, "float", code_max=448.0)
+    # UE8M0: 2^119 * 448 is finite, 2^120 * 448 is not.
+    check_scales("s", torch.tensor([246], dtype=torch.uint8), "e8m0", code_max=448.0)
+    with pytest.raises(ValueError, match=r"s: holds a scale that overflows float32 times 448.* \(247; 1 of 2\); expected scale \* 448 finite"):
+        check_scales("s", torch.tensor([246, 247], dtype=torch.uint8), "e8m0", code_max=448.0)
+
+
+@pytest.mark.parametrize("qc, error, field", [
+    ({"quant_method": "fp8", "weight_block_size": [128.5, 128]}, ValueError, r"weight_block_size\[0\]=128\.5"),
+    ({"quant_method": "fp8", "weight_block_size": [128, True]}, TypeError, r"weight_block_size\[1\]=True"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16.9}, ValueError, r"group_size=16\.9"),
+    ({"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": "16"}, TypeError, r"group_size='16'"),
+])
+def test_quant_spec_from_hf_refuses_non_integer_sizes(qc, error, field):
+    with pytest.raises(error, match=rf"quantization_config\.{field}: expected an int"):
+        quant_spec_from_hf(qc)
+    # An integral float is the same int, not a truncation.
+    assert quant_spec_from_hf({"quant_method": "fp8", "weight_block_size": [128.0, 128]}) == fp8_block_spec((128, 128))

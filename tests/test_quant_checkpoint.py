@@ -405,3 +405,74 @@ def test_unpublished_layouts_are_refused(tmp_path):
     path = _fp8(tmp_path, None, qcfg=MXFP4_CFG)
     with pytest.raises(CheckpointError, match=r"experts\.0\.gate_proj\.weight: MXFP4 is published for fused experts"):
         load_moe_layer(path, "qwen3_moe", 1)
+
+
+# ------------------------------------------------------------------------------ scales no producer writes
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.0, -0.5], ids=["zero", "negative_zero", "negative"])
+def test_zero_and_negative_fp8_scales_are_named(tmp_path, bad):
+    """A 0 scale zeroes its block, a negative one flips it: both loaded silently before."""
+    key = P1 + "experts.2.gate_proj.weight_scale_inv"
+
+    def edit(t):
+        t[key] = t[key].clone()
+        t[key][1, 0] = bad
+
+    path = _fp8(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=rf"{key.replace('.', '[.]')}: holds a scale <= 0 at index \(1, 0\)") \
+            as exc:
+        load_moe_layer(path, "qwen3_moe", 1)
+    assert exc.value.key == key
+
+
+def test_finite_fp8_scale_that_dequantizes_to_inf_is_named(tmp_path):
+    """1e38 is a finite float32, but 448 * 1e38 is not: a block holding e4m3 448 became inf."""
+    key = P1 + "experts.0.down_proj.weight_scale_inv"
+
+    def edit(t):
+        t[key] = t[key].clone()
+        t[key][0, 1] = 1e38
+
+    path = _fp8(tmp_path, edit)
+    with pytest.raises(CheckpointError, match=rf"{key.replace('.', '[.]')}: holds a scale that overflows float32 "
+                                              r"times 448, the largest value it multiplies at index \(0, 1\)"):
+        load_moe_layer(path, "qwen3_moe", 1)
+
+
+@pytest.mark.parametrize("part, value, what", [
+    ("weight_scale_2", 0.0, "a scale <= 0"),
+    ("input_scale", -1.0, "a scale <= 0"),
+    ("weight_scale_2", 3e35, "a scale that overflows float32 times 2688"),
+])
+def test_bad_nvfp4_per_tensor_scales_are_named(tmp_path, part, value, what):
+    key = P1 + f"experts.4.down_proj.{part}"
+    path = write_quantized(tmp_path / "n", "qwen3_moe", NVFP4, NVFP4_CFG, fmt="per_expert", moe_intermediate_size=32,
+                           edit=lambda t: t.update({key: torch.tensor(value)}))[0]
+    with pytest.raises(CheckpointError, match=rf"{key.replace('.', '[.]')}: holds {what}"):
+        load_moe_layer(path, "qwen3_moe", 1)
+
+
+def test_zero_nvfp4_block_scale_is_named(tmp_path):
+    key = P1 + "experts.1.up_proj.weight_scale"
+
+    def edit(t):
+        t[key] = t[key].clone()
+        t[key][3, 1] = 0.0
+
+    path = write_quantized(tmp_path / "n", "qwen3_moe", NVFP4, NVFP4_CFG, fmt="per_expert", moe_intermediate_size=32,
+                           edit=edit)[0]
+    with pytest.raises(CheckpointError, match=rf"{key.replace('.', '[.]')}: holds a scale <= 0 at index \(3, 1\)"):
+        load_moe_layer(path, "qwen3_moe", 1)
+
+
+@pytest.mark.parametrize("qcfg, field", [
+    ({**FP8_CFG, "weight_block_size": [16.5, 16]}, r"quantization_config\.weight_block_size\[0\]=16\.5"),
+    ({**FP8_CFG, "weight_block_size": [16, "16"]}, r"quantization_config\.weight_block_size\[1\]='16'"),
+    ({**NVFP4_CFG, "group_size": 16.9}, r"quantization_config\.group_size=16\.9"),
+], ids=["block_16.5", "block_str", "group_16.9"])
+def test_non_integer_block_and_group_sizes_are_named(tmp_path, qcfg, field):
+    """int(16.5) and int(16.9) were 16: the block size was read as something the config never said."""
+    path = _fp8(tmp_path, None, qcfg=qcfg)
+    with pytest.raises(CheckpointError, match=rf"{field}: expected an int"):
+        load_moe_layer(path, "qwen3_moe", 1)

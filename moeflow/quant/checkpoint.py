@@ -24,16 +24,16 @@ returned dequantized, since moeflow runs it as plain nn.Linear weights).
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ..checkpoint.files import ConfigError, read_json
 from ..checkpoint.index import CheckpointError, CheckpointIndex
 from .experts import scale_kind
-from .formats import check_scales, dequantize_fp8_block, dequantize_nvfp4
+from .formats import check_scales, dequantize_fp8_block, dequantize_nvfp4, scale_code_max
 from .spec import QuantSpec, quant_spec_from_hf
 
 # (role, key, shape, dtype) of one expected tensor; the loader wraps it in its slot type.
@@ -66,12 +66,9 @@ def quant_spec_of(config: Any, directory: str | None) -> QuantSpec | None:
             break
     if qc is None and directory is not None:
         path = os.path.join(directory, "config.json")
-        if os.path.exists(path):
-            with open(path) as fh:
-                try:
-                    qc = json.load(fh).get("quantization_config")
-                except (json.JSONDecodeError, AttributeError):
-                    qc = None
+        if os.path.lexists(path):
+            raw = read_json(path, "Hugging Face model config", error=ConfigError)
+            qc = raw.get("quantization_config") if isinstance(raw, dict) else None
     try:
         return quant_spec_from_hf(qc)
     except (TypeError, ValueError) as exc:
@@ -185,7 +182,7 @@ def _read_scale(index: CheckpointIndex, spec: QuantSpec, key: str, field: str, *
                 device: str | torch.device = "cpu") -> torch.Tensor:
     t = index.get(key, rows=rows, device=device)
     try:
-        check_scales(key, t, scale_kind(spec, field))
+        check_scales(key, t, scale_kind(spec, field), code_max=scale_code_max(spec.format, field))
     except ValueError as exc:
         raise CheckpointError(str(exc), key=key) from exc
     return t
@@ -198,7 +195,8 @@ def read_quantized_experts(index: CheckpointIndex, spec: QuantSpec, by_role: dic
     """The experts `ids` as a quantized ExpertWeights (dtype None) or dequantized to `dtype`.
 
     fmt: "fused" | "per_expert" (the plan's source format). Scales are read for the same
-    experts and checked (NaN / inf / E8M0 255 -> CheckpointError naming the key).
+    experts and checked (NaN / inf / <= 0 / E8M0 255, or a scale whose largest code dequantizes
+    to inf -> CheckpointError naming the key).
     biases: the already-read (gate_up_bias, down_bias) rows (gpt-oss), kept with the experts.
     """
     from ..config import ExpertWeights

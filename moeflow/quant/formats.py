@@ -18,7 +18,8 @@ nearest, ties to even):
     fp8_block  s = amax_block / 448 (UE8M0: the next power of two >= it); Wq = e4m3(W / s)
     mxfp4      b = 127 + ceil(log2(amax_block / 6)) (so |W| / 2^(b-127) <= 6); codes = e2m1(W / 2^(b-127))
     nvfp4      s2 = amax_tensor / (6 * 448); s8 = e4m3(amax_block / (6 * s2)); codes = e2m1(W / (s8 * s2))
-An all-zero block gets scale 1 (fp8_block, nvfp4 s2) or byte 127 (mxfp4). Scale quotients by
+An all-zero block gets scale 1 (fp8_block, nvfp4 s8 and s2) or byte 127 (mxfp4), and a nonzero nvfp4
+block at least the smallest e4m3 subnormal 2^-9: no quantizer writes a scale <= 0. Scale quotients by
 the constants are the IEEE f32 division on every device (`div_by_const`), so CPU and CUDA produce
 the same bytes, and quantize_fp8_activations the same numbers as the FP8 kernels (div_rn).
 """
@@ -29,6 +30,7 @@ import torch
 
 FP8_E4M3_MAX = 448.0
 E2M1_MAX = 6.0
+_E4M3_MIN_SUBNORMAL = 2.0 ** -9
 # The 16 E2M1 codes: bit 3 is the sign, bits 0-2 index 0, .5, 1, 1.5, 2, 3, 4, 6.
 E2M1_VALUES: tuple[float, ...] = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0,
                                   -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
@@ -288,8 +290,9 @@ def quantize_nvfp4(w_NK: torch.Tensor, scale_2: torch.Tensor | None = None
     """(packed uint8 [..., N, K/2], scale float8_e4m3fn [..., N, K/16], scale_2 f32 [...]) of W [..., N, K].
 
     scale_2 = amax over each [N, K] tensor / (6 * 448) unless given (1 for an all-zero tensor);
-    scale = e4m3(clamp(amax16 / (6 * scale_2), <= 448)); codes = e2m1(W / (f32(scale) * scale_2))
-    (0 where that divisor is 0), round to nearest even, saturating at 6.
+    scale = e4m3(clamp(amax16 / (6 * scale_2), 2^-9, 448)) (1 for an all-zero block);
+    codes = e2m1(W / (f32(scale) * scale_2)) (0 where that divisor is 0), round to nearest even,
+    saturating at 6.
     """
     _check_tensor("w_NK", w_NK, (torch.float32, torch.bfloat16, torch.float16), 2)
     k = w_NK.shape[-1]
@@ -303,7 +306,10 @@ def quantize_nvfp4(w_NK: torch.Tensor, scale_2: torch.Tensor | None = None
     g = w.unflatten(-1, (k // 16, 16))
     s2 = scale_2[..., None, None]
     amax = g.abs().amax(dim=-1)
-    scale = (amax / (E2M1_MAX * s2)).clamp(max=FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    # ModelOpt's rule: an all-zero block gets scale 1; a nonzero one at least the smallest
+    # float8_e4m3fn subnormal (2^-9), never a 0 that `check_scales` refuses.
+    raw = (amax / (E2M1_MAX * s2)).clamp(min=_E4M3_MIN_SUBNORMAL, max=FP8_E4M3_MAX)
+    scale = torch.where(amax > 0, raw, torch.ones_like(raw)).to(torch.float8_e4m3fn)
     div = (scale.to(torch.float32) * s2).unsqueeze(-1)
     safe = torch.where(div > 0, div, torch.ones_like(div))
     codes = quantize_e2m1(torch.where(div > 0, g / safe, torch.zeros_like(g)))
@@ -313,23 +319,50 @@ def quantize_nvfp4(w_NK: torch.Tensor, scale_2: torch.Tensor | None = None
 # ------------------------------------------------------------------------------ validation
 
 
-def check_scales(name: str, scale: torch.Tensor, kind: str) -> None:
+def scale_code_max(fmt: str, field: str) -> float | None:
+    """The largest |value| a scale of `field` multiplies under format `fmt`, None when it scales no weight.
+
+    fmt: a QuantSpec.format; field: "gate_up_scale" / "down_scale" (block scales), "scale_2"
+    (nvfp4 per-tensor), "input_scale" (nvfp4 activations). A scale times this must stay finite
+    in float32, or a block of largest codes dequantizes to inf (`check_scales`).
+    """
+    if field in ("gate_up_scale", "down_scale"):
+        return {"fp8_block": FP8_E4M3_MAX, "mxfp4": E2M1_MAX, "nvfp4": E2M1_MAX}[fmt]
+    if field == "scale_2":
+        return E2M1_MAX * FP8_E4M3_MAX  # e2m1 * (a float8_e4m3fn block scale <= 448) * scale_2
+    return None
+
+
+def check_scales(name: str, scale: torch.Tensor, kind: str, *, code_max: float | None = None) -> None:
     """Raise ValueError naming `name` when a scale tensor holds a value no producer writes.
 
-    kind: "float" (float32 / float8_e4m3fn scales: NaN or +-inf refused) or "e8m0" (uint8 /
-    float8_e8m0fnu exponent bytes: 255, the E8M0 NaN, refused). Reads the tensor (a
-    device sync on CUDA): for loading, not for the hot path.
+    kind: "float" (float32 / float8_e4m3fn scales: NaN, +-inf, 0 and negative values refused;
+    every producer writes amax-based scales > 0, ModelOpt and the quantizers here 1 for an
+    all-zero block) or "e8m0" (uint8 / float8_e8m0fnu exponent bytes: 255, the E8M0 NaN,
+    refused; every other byte is a power of two > 0).
+    code_max: the largest |value| the scale multiplies (`scale_code_max`): a scale whose
+    product with it overflows float32 is refused too, since a block holding that code would
+    dequantize to inf (a float32 FP8 scale above 3.4e38 / 448; UE8M0 bytes >= 247 for FP8,
+    254 for MXFP4). Reads the tensor (a device sync on CUDA): for loading, not the hot path.
     """
     if kind == "e8m0":
         b = scale.view(torch.uint8)
-        bad = b == E8M0_NAN
-        what = "E8M0 byte 255 (NaN)"
+        checks = [(b == E8M0_NAN, "E8M0 byte 255 (NaN)", "bytes 0..254")]
+        values = e8m0_to_f32(b)
     elif kind == "float":
-        bad = ~torch.isfinite(scale.to(torch.float32))
-        what = "a NaN or infinite value"
+        values = scale.to(torch.float32)
+        finite = torch.isfinite(values)
+        checks = [(~finite, "a NaN or infinite value", "finite scales > 0"),
+                  (finite & (values <= 0), "a scale <= 0", "finite scales > 0")]
     else:
         raise ValueError(f"check_scales: kind={kind!r}, expected 'float' or 'e8m0'")
-    if bad.any():
-        idx = tuple(int(i) for i in bad.nonzero()[0])
-        raise ValueError(f"{name}: holds {what} at index {idx} ({int(bad.sum())} of {bad.numel()}); "
-                         "expected finite scales")
+    if code_max is not None:
+        checks.append((torch.isfinite(values) & torch.isinf(values * code_max),
+                       f"a scale that overflows float32 times {code_max:g}, the largest value it multiplies",
+                       f"scale * {code_max:g} finite"))
+    for bad, what, expected in checks:
+        if bad.any():
+            idx = tuple(int(i) for i in bad.nonzero()[0])
+            v = values[idx].item() if kind == "float" else int(scale.view(torch.uint8)[idx])
+            raise ValueError(f"{name}: holds {what} at index {idx} ({v!r}; {int(bad.sum())} of {bad.numel()}); "
+                             f"expected {expected}")

@@ -131,6 +131,15 @@ def _get(cfg: Any, name: str, default: Any = None) -> Any:
     return getattr(cfg, name, default)
 
 
+def _int_field(name: str, value: Any) -> int:
+    """An integer config value (an int, or a float with an integral value), never truncated."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"quantization_config.{name}={value!r}: expected an int, got {type(value).__name__}")
+    if isinstance(value, float) and not value.is_integer():
+        raise ValueError(f"quantization_config.{name}={value!r}: expected an int (not truncated)")
+    return int(value)
+
+
 def quant_spec_from_hf(quantization_config: Any) -> QuantSpec | None:
     """The QuantSpec of a Hugging Face `quantization_config` (config.json dict or QuantizationConfigMixin).
 
@@ -176,7 +185,8 @@ def quant_spec_from_hf(quantization_config: Any) -> QuantSpec | None:
             raise ValueError(f"quantization_config.expert_dtype={expert_dtype!r}: expected 'fp8' "
                              "(DeepSeek-V4 FP4-packed experts are not read)")
         scheme = str(_get(quantization_config, "activation_scheme", "dynamic")).lower()
-        return fp8_block_spec(tuple(int(v) for v in block), ue8m0=scale_fmt == "ue8m0", activation_scheme=scheme)
+        block = tuple(_int_field(f"weight_block_size[{i}]", v) for i, v in enumerate(block))
+        return fp8_block_spec(block, ue8m0=scale_fmt == "ue8m0", activation_scheme=scheme)
     if method == "mxfp4":
         return MXFP4
     if method == "modelopt":
@@ -187,7 +197,7 @@ def quant_spec_from_hf(quantization_config: Any) -> QuantSpec | None:
             raise ValueError(f"quantization_config.quant_algo={algo!r}: expected 'NVFP4' (ModelOpt FP8 and "
                              "NVFP4_AWQ, which adds pre_quant_scale, are not read)")
         group = _get(src, "group_size", 16)
-        if group is not None and int(group) != 16:
+        if group is not None and _int_field("group_size", group) != 16:
             raise ValueError(f"quantization_config.group_size={group!r}: expected 16 for NVFP4")
         return NVFP4
     if method == "compressed-tensors":
