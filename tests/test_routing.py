@@ -579,3 +579,59 @@ def test_router_logits_refuses_bad_input() -> None:
         router_logits(torch.zeros(33), w)
     with pytest.raises(TypeError, match=r"x_TH: expected a torch.Tensor, got list"):
         router_logits([[0.0] * 33], w)
+
+
+# ---- renormalising picks that all underflowed, non-finite biases ---------------------------------
+
+
+@pytest.mark.parametrize("score_fn", ["sigmoid", "sqrtsoftplus", "topk_sigmoid", "softmax"])
+def test_renorm_of_picks_that_underflowed_to_zero_is_their_exact_ratio(score_fn: str) -> None:
+    """Far below -88.7 every sigmoid is 0: renorm without eps divided 0 by 0 (NaN weights).
+
+    The weights are the exact s_i / sum s_j instead (the softmax of the picked log-scores): an
+    equal share for equal logits, e^-1 : 1 for logits one apart, 1/K for an all -inf row.
+    """
+    spec = RouterSpec(score_fn=score_fn, num_experts=8, top_k=2, renorm=True)
+    logits = torch.full((3, 8), -200.0)
+    logits[1, :2] = torch.tensor([-200.0, -201.0])
+    logits[1, 2:] = -300.0  # every softmax / sigmoid pick is 0 in f32, the ranking still by logit
+    logits[2] = float("-inf")
+    r = route(logits, spec)
+    assert torch.isfinite(r.weights_TK).all(), r.weights_TK
+    assert r.ids_TK[:, :2].tolist()[0] == [0, 1]
+    assert r.weights_TK[0].tolist() == [0.5, 0.5] and r.weights_TK[2].tolist() == [0.5, 0.5]
+    picked = logits[1, r.ids_TK[1].long()]
+    if score_fn == "sqrtsoftplus":  # s = sqrt(softplus(x)) = e^(x / 2) down here
+        picked = picked / 2
+    assert_close(r.weights_TK[1], torch.softmax(picked.double(), 0).float(), rtol=1e-6, atol=0, what=score_fn)
+    # A row's weights still do not depend on the batch around it.
+    for t in range(3):
+        assert_bitwise_equal(route(logits[t : t + 1], spec).weights_TK, r.weights_TK[t : t + 1], what=f"row {t}")
+
+
+def test_renorm_with_eps_keeps_the_hf_zero_weights() -> None:
+    """DeepSeek-V3 / GLM / dots1 divide by (sum + 1e-20): HF's weights are 0 there and stay 0."""
+    spec = RouterSpec(score_fn="sigmoid", num_experts=8, top_k=2, renorm=True, renorm_eps=1e-20)
+    logits = torch.full((1, 8), -200.0)
+    s = torch.sigmoid(logits).topk(2, dim=-1).values
+    hf = s / (s.sum(dim=-1, keepdim=True) + 1e-20)
+    assert route(logits, spec).weights_TK.tolist() == hf.tolist() == [[0.0, 0.0]]
+
+
+def test_non_finite_selection_bias_is_refused_by_expert() -> None:
+    """+inf and -inf biases in one group made its top-2 sum NaN, and the group ranking put it first."""
+    from moeflow.routing.router import RouterWeights
+
+    spec = RouterSpec(score_fn="sigmoid", num_experts=8, top_k=2, renorm=True, renorm_eps=1e-20, n_group=4,
+                      topk_group=2, use_bias=True)
+    bias = torch.zeros(8)
+    bias[2], bias[3] = float("inf"), float("-inf")
+    with pytest.raises(ValueError, match=r"bias: inf at expert 2, expected finite values \(2 of 8 are not\)"):
+        route(torch.randn(2, 8), spec, bias=bias)
+    with pytest.raises(ValueError, match=r"selection_bias_E: inf at expert 2"):
+        RouterWeights(weight_EH=torch.randn(8, 4), selection_bias_E=bias).check(spec, hidden_size=4)
+    gspec, gkw = SPECS["gemma4"]
+    scale = gkw["expert_scale"].clone()
+    scale[5] = float("-inf")
+    with pytest.raises(ValueError, match=r"expert_scale: -inf at expert 5"):
+        route(torch.randn(2, 16), gspec, expert_scale=scale)

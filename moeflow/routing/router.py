@@ -26,6 +26,7 @@ from .hash import check_hash_table
 from .logits import router_logits
 from .select import route
 from .spec import RouterSpec
+from .validate import check_finite_vector
 
 __all__ = ["RouterWeights", "run_router", "router_input"]
 
@@ -88,6 +89,11 @@ class RouterWeights:
                 _check_tensor(name, t, (S,))
         if self.prenorm_weight_H is not None:
             _check_tensor("prenorm_weight_H", self.prenorm_weight_H, (H,))
+        # Values read on the host once, here: the CUDA selection does not look at them per call.
+        for name in ("router_bias_E", "selection_bias_E", "expert_scale_E", "prenorm_weight_H"):
+            t = getattr(self, name)
+            if t is not None:
+                check_finite_vector(name, t, unit="hidden channel" if name == "prenorm_weight_H" else "expert")
         if self.hash_table_VK is not None:
             t = self.hash_table_VK
             _check_tensor("hash_table_VK", t, None, floating=False)

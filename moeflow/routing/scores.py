@@ -96,6 +96,24 @@ def scores_TS(logits_TS: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
     return logits_TS  # topk_softmax / topk_sigmoid
 
 
+def log_scores_TK(logits_TS: torch.Tensor, ids_TK: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """log of the picked scores up to a constant per row (f32 [T, K]), finite where the scores underflow.
+
+    What renormalising needs when every picked score has underflowed to 0 (sigmoid below
+    -88.7): s_i / sum_j s_j is the softmax of these over the K picks, exactly.
+    softmax / topk_softmax: the logit (the row's normaliser cancels); sigmoid / topk_sigmoid:
+    log sigmoid(x) = -softplus(-x); sqrtsoftplus: log(softplus(x)) / 2, with
+    log(softplus(x)) = x below -30 (softplus(x) = e^x (1 - e^x / 2 + ...): x to f32 precision).
+    """
+    picked_TK = logits_TS.gather(1, ids_TK)
+    fn = spec.score_fn
+    if fn in ("sigmoid", "topk_sigmoid"):
+        return elementwise_rows(F.logsigmoid, picked_TK)
+    if fn == "sqrtsoftplus":
+        return elementwise_rows(lambda x: torch.where(x < -30.0, x, torch.log(F.softplus(x))) * 0.5, picked_TK)
+    return picked_TK
+
+
 def selection_key_TS(scores: torch.Tensor, spec: RouterSpec, bias_S: torch.Tensor | None) -> torch.Tensor:
     """The key experts are ranked by: s (+ bias). The bias never enters the weights."""
     if bias_S is None:

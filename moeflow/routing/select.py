@@ -18,7 +18,7 @@ import torch
 from .._triton import triton_available
 from ..types import RoutingResult
 from .grouped import group_mask_TS
-from .scores import scores_TS, selection_key_TS, sigmoid, softmax_rows
+from .scores import log_scores_TK, scores_TS, selection_key_TS, sigmoid, softmax_rows
 from .spec import RouterSpec
 from .topk import stable_topk_indices
 from .validate import validate_route_inputs
@@ -62,6 +62,15 @@ def route_reference(
             inf_f_TK = inf_TK.to(weights_TK.dtype)
             limit_TK = inf_f_TK / inf_f_TK.sum(dim=-1, keepdim=True).clamp_min(1.0)
             renormed_TK = torch.where(inf_TK.any(dim=-1, keepdim=True), limit_TK, renormed_TK)
+        # Picks that all underflowed to 0 (sigmoid of logits below -88.7) with renorm_eps = 0
+        # make 0 / 0: the ratio s_i / sum s_j is computed from the log-scores instead (finite,
+        # and what exact arithmetic gives). HF's renormalising families either add 1e-20
+        # (DeepSeek/GLM/dots1: weights 0 there, kept) or cannot reach a zero sum (softmax
+        # without a selection bias), so rows HF keeps finite are unchanged.
+        zero_T1 = denom_T1 == 0
+        if weights_TK.is_cuda or bool(zero_T1.any()):
+            exact_TK = softmax_rows(log_scores_TK(logits_TS, ids_TK, spec))
+            renormed_TK = torch.where(zero_T1, exact_TK, renormed_TK)
         weights_TK = renormed_TK
     if expert_scale is not None:
         weights_TK = weights_TK * expert_scale.float()[ids_TK]

@@ -11,7 +11,7 @@ import torch
 from .hash import check_distinct_rows
 from .spec import RouterSpec
 
-__all__ = ["validate_route_inputs"]
+__all__ = ["check_finite_vector", "validate_route_inputs"]
 
 
 def _check_vector(name: str, t: torch.Tensor | None, length: int, spec: RouterSpec) -> None:
@@ -23,10 +23,25 @@ def _check_vector(name: str, t: torch.Tensor | None, length: int, spec: RouterSp
         raise ValueError(f"{name}: shape {tuple(t.shape)}, expected ({length},) for {spec.num_slots} logit columns")
     if not t.dtype.is_floating_point:
         raise TypeError(f"{name}: dtype {t.dtype}, expected a floating dtype")
-    if not t.is_cuda and t.numel() and bool(torch.isnan(t).any()):
-        # A NaN here would rank (or weigh) experts as silently as a NaN logit.
-        e = int(torch.isnan(t).nonzero()[0, 0])
-        raise ValueError(f"{name}: NaN at expert {e}")
+    if not t.is_cuda:
+        check_finite_vector(name, t)
+
+
+def check_finite_vector(name: str, t: torch.Tensor, *, unit: str = "expert") -> None:
+    """ValueError naming `name` and the first `unit` (index) whose value is NaN or infinite (reads `t`).
+
+    A NaN ranks (or weighs) experts as silently as a NaN logit; an infinite selection bias
+    does too: two of opposite sign in one group make its top-2 sum inf - inf = NaN, which
+    the group ranking puts first. No checkpoint holds either.
+    """
+    if not t.numel():
+        return
+    bad = ~torch.isfinite(t.detach())
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0, 0])
+        v = float(t[i])
+        raise ValueError(f"{name}: {'NaN' if v != v else v} at {unit} {i}, expected finite values "
+                         f"({int(bad.sum())} of {t.numel()} are not)")
 
 
 def validate_route_inputs(
