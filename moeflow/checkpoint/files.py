@@ -13,9 +13,10 @@ from __future__ import annotations
 import json
 import os
 import re
-import stat
 from collections.abc import Iterable
 from typing import Any
+
+from ..paths import PathError, check_input_file
 
 __all__ = ["CheckpointError", "ConfigError", "check_regular_file", "read_json", "check_shard_name",
            "layer_ids", "layer_bound", "check_layer_claims", "read_config_json", "hf_config"]
@@ -40,18 +41,12 @@ def check_regular_file(path: str | os.PathLike, what: str, *, error: type[Checkp
 
     `what` says what the file should be ("config.json", "safetensors shard"). A FIFO would
     block the open (or the read) forever; a directory or a device is no checkpoint file either.
+    The check is moeflow.paths.check_input_file's (the CLI's inputs), raised as a checkpoint error.
     """
     try:
-        mode = os.stat(path).st_mode
-    except FileNotFoundError:
-        raise error(f"{what} {os.fspath(path)!r} does not exist") from None
-    except OSError as exc:
-        raise error(f"{what} {os.fspath(path)!r} cannot be read ({type(exc).__name__}: {exc})") from exc
-    if not stat.S_ISREG(mode):
-        kind = ("a FIFO" if stat.S_ISFIFO(mode) else "a directory" if stat.S_ISDIR(mode)
-                else "a socket" if stat.S_ISSOCK(mode) else "a device" if stat.S_ISCHR(mode) or stat.S_ISBLK(mode)
-                else "not a regular file")
-        raise error(f"{what} {os.fspath(path)!r} is {kind}, expected a regular file")
+        check_input_file(path, what)
+    except (FileNotFoundError, PathError) as exc:
+        raise error(str(exc)) from exc.__cause__
 
 
 def read_json(path: str | os.PathLike, what: str, *, error: type[CheckpointError] = CheckpointError) -> Any:
