@@ -534,3 +534,12 @@ def test_quant_spec_from_hf_refuses_non_integer_sizes(qc, error, field):
         quant_spec_from_hf(qc)
     # An integral float is the same int, not a truncation.
     assert quant_spec_from_hf({"quant_method": "fp8", "weight_block_size": [128.0, 128]}) == fp8_block_spec((128, 128))
+
+
+def test_check_expert_scales_refuses_a_finite_scale_that_dequantizes_to_inf():
+    """An in-memory fp8 block scale of 1e38 is finite, but 448 x 1e38 overflows float32: refused by name, as at
+    load (quant.formats.scale_code_max)."""
+    q = quantize_experts(_plain(), SPECS["fp8_block"])
+    q.gate_up_scale[0, 0, 0] = 1e38
+    with pytest.raises(ValueError, match=r"ExpertWeights\.gate_up_scale"):
+        check_expert_scales(q)

@@ -17,6 +17,7 @@ _EXPORTS: dict[str, str] = {
     "KeyAdapter": "moeflow.checkpoint.keys",
     "adapter_for": "moeflow.checkpoint.families",
     "CheckpointError": "moeflow.checkpoint.index",
+    "ConfigError": "moeflow.checkpoint.files",
     "CheckpointIndex": "moeflow.checkpoint.index",
     "TensorInfo": "moeflow.checkpoint.index",
     "LayerPlan": "moeflow.checkpoint.loader",

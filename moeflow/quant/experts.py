@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from ..config import ExpertWeights
-from .formats import check_scales, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4
+from .formats import check_scales, quantize_fp8_block, quantize_mxfp4, quantize_nvfp4, scale_code_max
 from .spec import QuantSpec
 from .storage import SCALE_FIELDS, check_quantized, expected_scale_shapes
 
@@ -83,4 +83,6 @@ def check_expert_scales(w: ExpertWeights) -> None:
     for name in SCALE_FIELDS:
         t = getattr(w, name)
         if t is not None:
-            check_scales(f"ExpertWeights.{name}", t, scale_kind(w.quant, name))
+            field = "scale_2" if name.endswith("_scale_2") else name
+            check_scales(f"ExpertWeights.{name}", t, scale_kind(w.quant, name),
+                         code_max=scale_code_max(w.quant.format, field))
