@@ -188,27 +188,14 @@ def combine_TH(
         return _combine_into(y_TKH, weights_TK, out_TH, x_TH=x_TH, zero_TK=zero_TK,
                              weight_on_input=weight_on_input)
     out_dtype = out_dtype or y_TKH.dtype
-    acc_TH = torch.zeros(T, H, dtype=torch.float32, device=y_TKH.device)
-    w_TK = weights_TK.to(torch.float32)
-    for k in range(K):
-        y_TH = y_TKH[:, k].to(torch.float32)
-        w_T1 = w_TK[:, k : k + 1]
-        if zero_TK is not None:
-            z_T1 = zero_TK[:, k : k + 1]
-            # where, not arithmetic masking: garbage at a zero slot never touches the sum.
-            y_TH = torch.where(z_T1, x_TH.to(torch.float32), y_TH)
-            if weight_on_input:
-                w_T1 = torch.where(z_T1, w_T1, torch.ones_like(w_T1))
-            acc_TH = acc_TH + w_T1 * y_TH
-        elif weight_on_input:
-            acc_TH = acc_TH + y_TH
-        else:
-            acc_TH = acc_TH + w_T1 * y_TH
+    acc_TH = torch.empty(T, H, dtype=torch.float32, device=y_TKH.device)
+    _combine_into(y_TKH, weights_TK, acc_TH, x_TH=x_TH, zero_TK=zero_TK, weight_on_input=weight_on_input)
     return acc_TH.to(out_dtype)
 
 
 def _combine_into(y_TKH, weights_TK, out_TH, *, x_TH, zero_TK, weight_on_input) -> torch.Tensor:
-    """`combine_TH` accumulating in place (the same f32 adds in the same order as its loop)."""
+    """`combine_TH`'s sum into out_TH: f32 adds in slot order, in place (a float32 out_TH is the accumulator;
+    another dtype gets the f32 sum copied in once)."""
     T, K, H = (int(s) for s in y_TKH.shape)
     acc_TH = out_TH.zero_() if out_TH.dtype == torch.float32 else \
         torch.zeros(T, H, dtype=torch.float32, device=y_TKH.device)
@@ -218,6 +205,7 @@ def _combine_into(y_TKH, weights_TK, out_TH, *, x_TH, zero_TK, weight_on_input) 
         w_T1 = w_TK[:, k : k + 1]
         if zero_TK is not None:
             z_T1 = zero_TK[:, k : k + 1]
+            # where, not arithmetic masking: garbage at a zero slot never touches the sum.
             y_TH = torch.where(z_T1, x_TH.to(torch.float32), y_TH)
             if weight_on_input:
                 w_T1 = torch.where(z_T1, w_T1, torch.ones_like(w_T1))
