@@ -562,21 +562,18 @@ def fp8_quant_launch(x_MH: torch.Tensor, G: int, out: tuple[torch.Tensor, torch.
     return xq, xs
 
 
-def _quant_pass(plan: KernelPlan, x_MH: torch.Tensor, out=None):
-    from ..tuning.rules import load_rules
-
-    r = load_rules()
-    return fp8_quant_launch(x_MH, plan.shape.group, out, pdl=plan.pdl, groups_per_program=r.fp8_quant_groups_per_program,
-                            num_warps=r.fp8_quant_warps, fast=plan.options.fast_launch)
+def _quant_pass(plan: KernelPlan, st: StagePlan, x_MH: torch.Tensor, out=None):
+    return fp8_quant_launch(x_MH, plan.shape.group, out, pdl=plan.pdl, groups_per_program=st.get("groups_per_program"),
+                            num_warps=st.get("num_warps"), fast=plan.options.fast_launch)
 
 
 def launch_quant_x(plan: KernelPlan, st: StagePlan, b: StepBuffers, w, config) -> None:
-    b.xq, b.xs = _quant_pass(plan, b.x_rows)
+    b.xq, b.xs = _quant_pass(plan, st, b.x_rows)
 
 
 def launch_quant_act(plan: KernelPlan, st: StagePlan, b: StepBuffers, w, config) -> None:
     # Every placed row, padding rows included (their values are never stored by down).
-    _quant_pass(plan, b.act_PI, out=(b.aq_PI, b.as_PG))
+    _quant_pass(plan, st, b.act_PI, out=(b.aq_PI, b.as_PG))
 
 
 def _fp8_common(plan: KernelPlan, st: StagePlan, config: MoEConfig, has_bias: bool) -> dict:

@@ -415,11 +415,16 @@ def _gemv_params(ctx: Ctx) -> tuple:
 
 _FP8 = ("fp8_block",)
 
+
+def _quant_pass_params(ctx: Ctx) -> tuple:
+    """The fp8 row-quantization pass's launch: groups of G per program and warps (KernelRules.fp8_quant_*)."""
+    return (("groups_per_program", ctx.rules.fp8_quant_groups_per_program), ("num_warps", ctx.rules.fp8_quant_warps))
+
 VARIANTS: tuple[Variant, ...] = (
     Variant("align", "align", FORMATS, "moe_align.align_launch (small / fused / count+place by N)",
             "fused:launch_align", "pairs grouped by expert, each expert padded to BM rows"),
     Variant("fp8_quant_rows", "quant_x", _FP8, "moe_gemm_quant.fp8_quant_rows_kernel", "fused:launch_quant_x",
-            "x rows to e4m3, one f32 scale per row per G channels"),
+            "x rows to e4m3, one f32 scale per row per G channels", params=lambda ctx: _quant_pass_params(ctx)),
     # ---- gate_up, preference order per format
     Variant("tma_gather_x", "gate_up", _PLAIN, "moe_gemm_tma.gather_rows_kernel + moe_gate_up_tma_kernel",
             "fused:launch_gate_up_tma", "rows copied into pair order, then weight and row tiles by TMA",
@@ -451,7 +456,7 @@ VARIANTS: tuple[Variant, ...] = (
             params=lambda ctx: (("asm", _fp4_asm(ctx, ctx.tiles.gate_up.block_n * (2 if ctx.shape.interleaved
                                                                                     else 1), ctx.tiles.gate_up)),)),
     Variant("fp8_quant_act", "quant_act", _FP8, "moe_gemm_quant.fp8_quant_rows_kernel", "fused:launch_quant_act",
-            "act rows (f32) to e4m3 where gate_up's tile is narrower than G"),
+            "act rows (f32) to e4m3 where gate_up's tile is narrower than G", params=lambda ctx: _quant_pass_params(ctx)),
     # ---- down
     Variant("tma_flat", "down", _PLAIN, "moe_gemm_tma.moe_down_tma_kernel (FLAT)", "fused:launch_down_tma",
             "act and weight tiles by TMA, one flattened persistent loop over (tile, K step)",
