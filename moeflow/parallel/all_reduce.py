@@ -48,9 +48,8 @@ from .dist_utils import (
     SUM_HEADER_LEN,
     EPInputMismatch,
     EPStep,
-    begin_step,
+    EPStepOwner,
     collective,
-    current_step,
     group_device,
     group_rank,
     group_size,
@@ -108,7 +107,7 @@ class ARHandle:
         return 2 * (W - 1) * self.num_tokens * int(self.x_TH.shape[1]) * reduce_elem_size // max(W, 1)
 
 
-class AllReduceDispatcher:
+class AllReduceDispatcher(EPStepOwner):
     """Masked-local experts plus one all_reduce (the `Dispatcher` of `ep_mode="all_reduce"`).
 
     placement:    which rank owns each expert.
@@ -159,38 +158,10 @@ class AllReduceDispatcher:
 
     # ------------------------------------------------------------------ the EP step
 
-    def begin_step(self, layer_idx: int) -> None:
-        """Open this rank's next EP step on the group for layer `layer_idx` (called by the layer
-        before it routes, so that a refusal anywhere in its step can still be announced).
-        Raises EPGroupBroken when the group failed earlier."""
-        begin_step(self.group, layer=layer_idx, owner=self, timeout_s=self.timeout_s)
-
-    def abort_step(self, x_TH: torch.Tensor, spec, exc: BaseException) -> None:
-        """The layer's step raised `exc` on this rank (the caller re-raises it): run what the step
-        still owes the other ranks with a REFUSED / FAILED header, so that they raise
-        EPStepAborted now instead of pairing with this rank's next step.
-
-        x_TH: [T, H] the step's input (T and H size the owed all_reduce); spec: unused here.
-        """
-        step = current_step(self.group)
-        if step is None:
-            return
-        if step.finish is None and not step.started:
-            step.finish = self._owed_unstarted(step, x_TH)
-        step.abort(exc)
-
-    def _open(self, x_TH: torch.Tensor) -> EPStep:
-        """The step this dispatch runs in: the one the layer began, else a new one (layer -1)."""
-        step = current_step(self.group)
-        if step is None or step.owner is not self or step.started or step.finish is not None:
-            step = begin_step(self.group, layer=-1, owner=self, timeout_s=self.timeout_s)
-        step.finish = self._owed_unstarted(step, x_TH)
-        return step
-
     def _checks_inputs(self) -> bool:
         return self.check_inputs and not _capturing()
 
-    def _owed_unstarted(self, step: EPStep, x_TH: torch.Tensor):
+    def _owed_unstarted(self, step: EPStep, x_TH: torch.Tensor, K: int = 0):
         """What a step owes when this rank refuses it before sending anything: the input check's
         all-gather (every rank reads it and stops), else the all_reduce."""
 

@@ -56,9 +56,8 @@ from .dist_utils import (
     HEADER_BYTES,
     HEADER_LEN,
     EPStep,
-    begin_step,
+    EPStepOwner,
     collective,
-    current_step,
     group_rank,
     group_size,
     owes_nothing,
@@ -224,7 +223,7 @@ class A2AStaticHandle:
         return (W - 1) * per_peer
 
 
-class AllToAllDispatcher:
+class AllToAllDispatcher(EPStepOwner):
     """Dispatch tokens to the ranks owning their experts and bring the results back.
 
     placement:     which rank owns each routed expert (E = placement.num_experts).
@@ -287,35 +286,6 @@ class AllToAllDispatcher:
                        group=self.group, timeout_s=self.timeout_s)
 
     # ------------------------------------------------------------------ the EP step
-
-    def begin_step(self, layer_idx: int) -> None:
-        """Open this rank's next EP step on the group for layer `layer_idx` (called by the layer
-        before it routes, so that a refusal anywhere in its step can still be announced).
-        Raises EPGroupBroken when the group failed earlier."""
-        begin_step(self.group, layer=layer_idx, owner=self, timeout_s=self.timeout_s)
-
-    def abort_step(self, x_TH: torch.Tensor, spec, exc: BaseException) -> None:
-        """The layer's step raised `exc` on this rank (the caller re-raises it): run what the step
-        still owes the other ranks with a REFUSED / FAILED header, so that they raise
-        EPStepAborted now instead of pairing with this rank's next step.
-
-        x_TH: [T, H] the step's input (dtype and H size the owed messages); spec: RouterSpec (K).
-        Nothing to do when the step is already over (combined, or refused by every rank alike).
-        """
-        step = current_step(self.group)
-        if step is None:
-            return
-        if step.finish is None and not step.started:
-            step.finish = self._owed_unstarted(step, x_TH, int(spec.top_k))
-        step.abort(exc)
-
-    def _open(self, x_TH: torch.Tensor, K: int) -> EPStep:
-        """The step this dispatch runs in: the one the layer began, else a new one (layer -1)."""
-        step = current_step(self.group)
-        if step is None or step.owner is not self or step.started or step.finish is not None:
-            step = begin_step(self.group, layer=-1, owner=self, timeout_s=self.timeout_s)
-        step.finish = self._owed_unstarted(step, x_TH, K)
-        return step
 
     def _owed_unstarted(self, step: EPStep, x_TH: torch.Tensor, K: int):
         """What a step owes when this rank refuses it before sending anything: the dynamic mode's

@@ -754,3 +754,48 @@ def leave_process_group() -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+
+
+class EPStepOwner:
+    """The EP step protocol both expert-parallel dispatchers share (they set `group` and `timeout_s`).
+
+    The layer opens a step with `begin_step(layer_idx)` before it routes and calls `abort_step` when its
+    step raises; a dispatch runs in the step the layer began (`_open`), else in a new one. Each dispatcher
+    says in `_owed_unstarted(step, x_TH, K)` what a step owes the other ranks when this rank refuses it
+    before sending anything.
+    """
+
+    group: dist.ProcessGroup
+    timeout_s: float | None
+
+    def begin_step(self, layer_idx: int) -> None:
+        """Open this rank's next EP step on the group for layer `layer_idx` (called by the layer
+        before it routes, so that a refusal anywhere in its step can still be announced).
+        Raises EPGroupBroken when the group failed earlier."""
+        begin_step(self.group, layer=layer_idx, owner=self, timeout_s=self.timeout_s)
+
+    def abort_step(self, x_TH: torch.Tensor, spec, exc: BaseException) -> None:
+        """The layer's step raised `exc` on this rank (the caller re-raises it): run what the step
+        still owes the other ranks with a REFUSED / FAILED header, so that they raise
+        EPStepAborted now instead of pairing with this rank's next step.
+
+        x_TH: [T, H] the step's input (it sizes the owed messages); spec: the layer's RouterSpec (K).
+        Nothing to do when the step is already over (combined, or refused by every rank alike).
+        """
+        step = current_step(self.group)
+        if step is None:
+            return
+        if step.finish is None and not step.started:
+            step.finish = self._owed_unstarted(step, x_TH, int(spec.top_k))
+        step.abort(exc)
+
+    def _open(self, x_TH: torch.Tensor, K: int = 0) -> EPStep:
+        """The step this dispatch runs in: the one the layer began, else a new one (layer -1)."""
+        step = current_step(self.group)
+        if step is None or step.owner is not self or step.started or step.finish is not None:
+            step = begin_step(self.group, layer=-1, owner=self, timeout_s=self.timeout_s)
+        step.finish = self._owed_unstarted(step, x_TH, K)
+        return step
+
+    def _owed_unstarted(self, step: EPStep, x_TH: torch.Tensor, K: int):
+        raise NotImplementedError
