@@ -74,6 +74,28 @@ def plain_tensors(s: dict, dev) -> dict:
     return t
 
 
+QUANT_FIELDS = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_scale", "down_scale",
+                "gate_up_scale_2", "down_scale_2")
+
+
+def quantized_tensors(s: dict, plain: dict, spec, quantize_experts, chunk: int = 16) -> dict:
+    """The quantized fields of `plain`, quantized `chunk` experts at a time: the quantizer's f32 temporaries
+    for all of deepseek-v3's experts at once do not fit an 80 GB card. Every scale (FP8 blocks, MXFP4 / NVFP4
+    blocks, NVFP4's per-tensor scale_2) is per expert, so chunking gives the same tensors."""
+    parts: dict[str, list] = {}
+    for e0 in range(0, s["E"], chunk):
+        part = {f: t[e0:e0 + chunk] for f, t in plain.items()}
+        n = part["gate_up"].shape[0]
+        w, _ = build("moeflow", dict(s, E=n, K=min(s["K"], n)), part)
+        q = quantize_experts(w, spec)
+        for f in QUANT_FIELDS:
+            if getattr(q, f, None) is not None:
+                parts.setdefault(f, []).append(getattr(q, f))
+        del w, q
+    plain.clear()
+    return {f: torch.cat(v, dim=0) for f, v in parts.items()}
+
+
 def routing(T: int, E: int, K: int, dev, kind: str, seed: int = 1):
     g = torch.Generator(device="cpu").manual_seed(seed + T)
     if kind == "zipf":
@@ -155,21 +177,16 @@ def main(argv=None) -> int:
             if time.time() - t0 > args.budget_s:
                 break
             s = shape_of(name)
-            base, _ = build("moeflow", s, plain_tensors(s, dev))
             spec = {"fp8": fp8_block_spec((128, 128)), "mxfp4": MXFP4, "nvfp4": NVFP4}[fmt]
             ospec = {"fp8": old_spec.fp8_block_spec((128, 128)), "mxfp4": old_spec.MXFP4, "nvfp4": old_spec.NVFP4}[fmt]
-            q = quantize_experts(base, spec)
-            del base
+            tensors = quantized_tensors(s, plain_tensors(s, dev), spec, quantize_experts)
             torch.cuda.empty_cache()
-            fields = ("gate_up", "down", "gate_up_bias", "down_bias", "gate_up_scale", "down_scale",
-                      "gate_up_scale_2", "down_scale_2")
-            tensors = {f: getattr(q, f) for f in fields if getattr(q, f, None) is not None}
             wn, cn = build("moeflow", s, tensors, quant=spec)
             wo, co = build("moeflow_before", s, tensors, quant=ospec)
             for T in tokens:
                 rows.append(point(name, fmt, T, "uniform", new_q, old_q, wn, cn, wo, co, s["H"], s["E"], s["K"], dev,
                                   args.reps, name in explain and T in (1, 8192)))
-            del q, tensors, wn, wo
+            del tensors, wn, wo
             torch.cuda.empty_cache()
     worst = max((r["after_over_before"] for r in rows), default=None)
     out = dict(env_info(), command=" ".join(sys.argv), rows=rows,
