@@ -94,9 +94,9 @@ def stream_read_kernel(src_ptr, out_ptr, n_words, BLOCK: tl.constexpr, COLS: tl.
 
 def device_sms(device: torch.device) -> int:
     """SMs of a CUDA device (its index, or the current device's when it has none)."""
-    from moeflow.experts.triton import _device_facts  # the project's cached device properties
+    from moeflow.experts.devices import device_facts  # the project's cached device properties
 
-    return _device_facts(device.index if device.index is not None else torch.cuda.current_device())[1]
+    return device_facts(device).sm_count
 
 
 def stream_read_fn(buf: torch.Tensor, out: torch.Tensor, *, block: int = BASE["block"], warps: int = BASE["warps"],

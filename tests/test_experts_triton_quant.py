@@ -925,6 +925,8 @@ def test_gpu_fp8_ws_kernels_equal_the_tma_kernels_bitwise():
             continue
         assert rule_plan.stage("gate_up").variant == "fp8_gluon", rule_plan.explain()
         for T in (300, 2000):
+            with kernel_rules(fp8_gluon_gate_up_min_hidden=H):  # the by-rule impl plans each new T here
+                by_rule.plan(wq, T, K, activation=act)
             x, ids, wts = make_tokens(T, H, E, K, torch.bfloat16, "cuda", seed=T, skew=T == 300)
             assert triton_impl.plan(wq, T, K, activation=act).stage("gate_up").variant == "fp8_tma"
             want = triton_impl.forward_tokens(x, ids, wts, wq, cfg).clone()

@@ -138,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--routing", default="uniform")
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--no-quant", action="store_true")
+    ap.add_argument("--quant", default="", help="only these quantized points, e.g. deepseek-v3:fp8 (default: all)")
     ap.add_argument("--explain", default="mixtral-8x7b,deepseek-v3", help="shapes whose plans are recorded")
     ap.add_argument("--out", required=True)
     ap.add_argument("--budget-s", type=float, default=1e9)
@@ -173,9 +174,12 @@ def main(argv=None) -> int:
         from moeflow.quant.spec import MXFP4, NVFP4, fp8_block_spec
 
         new_q, old_q = TritonQuantExperts(), OQ.TritonQuantExperts()
+        only = set(filter(None, args.quant.split(",")))
         for name, fmt, tokens in QUANT_POINTS:
             if time.time() - t0 > args.budget_s:
                 break
+            if only and f"{name}:{fmt}" not in only:
+                continue
             s = shape_of(name)
             spec = {"fp8": fp8_block_spec((128, 128)), "mxfp4": MXFP4, "nvfp4": NVFP4}[fmt]
             ospec = {"fp8": old_spec.fp8_block_spec((128, 128)), "mxfp4": old_spec.MXFP4, "nvfp4": old_spec.NVFP4}[fmt]
