@@ -282,3 +282,36 @@ def test_expert_parallel_two_gloo_ranks(tmp_path):
             assert nbytes * 2 == want[case][1]
             assert set(dtypes) == {STORED[CASES[case][1].format]}
             assert_close(logits, want[case][0], **TOL, what=f"{case} rank {r} logits")
+
+
+# ------------------------------------------------------------------------------ on the GPU
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("case", ["gpt_oss-mxfp4", "qwen3_moe-fp8-fused", "deepseek_v3-fp8-per_expert",
+                                  "qwen3_moe-nvfp4-modelopt", "mixtral-bf16"])
+def test_cuda_load_keeps_stored_bytes_and_matches_cpu(tmp_path, case):
+    """On CUDA (bf16 activations): experts stored as written, on the device; logits within bf16 error of the
+    CPU f32 load; peak device memory while loading within what the model keeps plus one layer's experts
+    (per-expert checkpoints are stacked into the fused layout on the device) plus 8 MiB."""
+    d, *_ = _write(tmp_path, case)
+    cpu = moeflow.from_pretrained(d, device="cpu", dtype=torch.float32, progress=False)
+    dev = torch.device("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    got = moeflow.from_pretrained(d, device=dev, dtype=torch.bfloat16, progress=False)
+    peak = torch.cuda.max_memory_allocated(dev) - base
+    kept = torch.cuda.memory_allocated(dev) - base
+    rep = got.moeflow_load
+    layer = max(w.expert_weights.nbytes for w in moe_layers(got))
+    assert kept <= rep.expert_bytes + rep.dense_bytes + (8 << 20), (kept, rep)
+    assert peak <= rep.expert_bytes + rep.dense_bytes + layer + (8 << 20), (peak, rep)
+    _check_stored(got, case)
+    assert all(layer.expert_weights.gate_up.device.type == "cuda" for layer in moe_layers(got))
+    with torch.no_grad():
+        a = got(IDS.to(dev)).logits.float().cpu()
+        b = cpu(IDS).logits
+    assert_close(a, b, rtol=5e-2, atol=5e-2, what=f"{case} cuda bf16 logits vs cpu f32")
