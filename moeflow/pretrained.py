@@ -39,6 +39,7 @@ Legend: E experts, L experts on this rank, H hidden.
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -169,9 +170,11 @@ def _dense_plan(index, model: nn.Module, moe_owned: tuple[str, ...], block_paths
                 if sk["scale"] in index:
                     scale_of[key] = sk
     scale_names = {k for sk in scale_of.values() for k in sk.values()}
+    # what transformers itself skips (DeepSeek-V3's multi-token-prediction layer past num_hidden_layers)
+    ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
     plan = []
     for key in index.keys():
-        if key.startswith(moe_owned) or key in scale_names:
+        if key.startswith(moe_owned) or key in scale_names or any(p.search(key) for p in ignored):
             continue
         if key not in names:
             raise CheckpointError(f"{directory}: unexpected key {key}: the {type(model).__name__} built from "
@@ -179,6 +182,12 @@ def _dense_plan(index, model: nn.Module, moe_owned: tuple[str, ...], block_paths
         info, want = index.info(key), tuple(names[key].shape)
         shape = info.shape
         sk = scale_of.get(key, {})
+        if not sk and names[key].is_floating_point() and (info.dtype.itemsize == 1):
+            # a quantized weight whose scales are not there: a bare cast would give wrong values
+            what = (f"its scale {scale_keys(qspec, key, fused=False)['scale']} is missing"
+                    if qspec is not None and qspec.format in ("fp8_block", "nvfp4") and key.endswith(".weight")
+                    else "the checkpoint's quantization_config names no format with scales for it")
+            raise CheckpointError(f"{directory}: {key}: stored as {info.dtype} (quantized) but {what}", key=key)
         if sk:
             n, k = shape[0], shape[1] * qspec.pack
             shape = (n, k)

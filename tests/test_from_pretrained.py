@@ -175,6 +175,13 @@ def test_scale_grid_that_does_not_match_is_named(tmp_path):
     with pytest.raises(CheckpointError, match=key):
         moeflow.from_pretrained(d, device="cpu", progress=False)
 
+    def drop(t):
+        del t[key]
+
+    d = _qwen_fp8(tmp_path / "dropped", edit=drop)
+    with pytest.raises(CheckpointError, match=f"q_proj.weight: stored as torch.float8_e4m3fn.*{key} is missing"):
+        moeflow.from_pretrained(d, device="cpu", progress=False)
+
     ekey = "model.layers.1.mlp.experts.down_proj_scale_inv"
 
     def edit_expert(t):
