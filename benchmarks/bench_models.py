@@ -154,8 +154,9 @@ def _random_experts(E: int, H: int, I: int, spec, *, layout: str, interleaved: b
         return ExpertWeights(gu, dn, *bias_t, layout=layout, interleaved=interleaved, quant=spec,
                              gate_up_scale=gs, down_scale=ds)
     bn, bk = spec.block
-    gu = torch.randn(E, 2 * I, H, generator=g, device=gen_device).to(torch.float8_e4m3fn)
-    dn = torch.randn(E, H, I, generator=g, device=gen_device).to(torch.float8_e4m3fn)
+    # bf16 draws (half the transient memory of f32: DeepSeek-V3's gate_up is 256 x 4096 x 7168)
+    gu = torch.randn(E, 2 * I, H, generator=g, device=gen_device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
+    dn = torch.randn(E, H, I, generator=g, device=gen_device, dtype=torch.bfloat16).to(torch.float8_e4m3fn)
     cd = lambda a, b: -(-a // b)  # noqa: E731
     gs = torch.full((E, 2 * cd(I, bn), cd(H, bk)), 0.02, device=gen_device)
     ds = torch.full((E, cd(H, bn), cd(I, bk)), 0.02, device=gen_device)
