@@ -168,7 +168,13 @@ def write_random_checkpoint(directory: str, config, row: str, *, smoke: bool, sh
     """Random weights of `config` in the row's stored format, written shard by shard; returns sizes and seconds."""
     from transformers import AutoModelForCausalLM
 
-    from moeflow.checkpoint.write import QUANTIZATION_CONFIGS, ShardWriter, dense_tensors, expert_tensors, write_config
+    from moeflow.checkpoint.write import (
+        QUANTIZATION_CONFIGS,
+        ShardWriter,
+        dense_tensors,
+        expert_tensors,
+        write_config,
+    )
     from moeflow.families import family_for
 
     t0 = time.perf_counter()
@@ -261,7 +267,7 @@ def measure_model(model, row: Row, device, *, prefix: str = "", graph: bool = Tr
             ids = _ids(B, P, V, device, seed=B)
             kw = dict(do_sample=False, pad_token_id=0)
             model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
-            t = _timed(lambda: model.generate(ids, max_new_tokens=N, min_new_tokens=N, **kw), device)
+            t = _timed(lambda ids=ids, kw=kw: model.generate(ids, max_new_tokens=N, min_new_tokens=N, **kw), device)
             row.out[f"{prefix}decode_tok_s_eager_B{B}"] = B * N / t
         except Exception as exc:  # noqa: BLE001
             row.err(f"{prefix}decode eager B={B}", exc)
@@ -272,9 +278,9 @@ def measure_model(model, row: Row, device, *, prefix: str = "", graph: bool = Tr
 
             dec = StaticDecoder(model, batch_size=B, max_len=P + N + 1)
             dec.generate(ids, N)  # captures
-            t = _timed(lambda: dec.generate(ids, N), device)
+            t = _timed(lambda dec=dec, ids=ids: dec.generate(ids, N), device)
             row.out[f"{prefix}decode_tok_s_graph_B{B}"] = B * N / t
-            del dec
+            dec = None  # its static cache and graph go before the next batch size
         except Exception as exc:  # noqa: BLE001
             row.err(f"{prefix}decode graph B={B}", exc)
 
@@ -317,7 +323,6 @@ def _roofs(device) -> dict:
 
 def _offload_config(config, row: str, frac: float, smoke: bool):
     import moeflow
-
     from moeflow.checkpoint.families import adapter_for
 
     adapter = adapter_for(ROWS[row]["family"])
@@ -466,8 +471,8 @@ def run_peers(name: str, config, row: Row, device, directory: str, offload) -> N
         ids = _ids(1, 16, config.vocab_size, device)
         n = 4
         with torch.no_grad():
-            t = _timed(lambda: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0),
-                       device)
+            t = _timed(lambda hf=hf: hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                                 pad_token_id=0), device)
         row.out["accelerate_offload_decode_tok_s_B1"] = n / t
         if row.out.get("decode_tok_s_eager_B1"):
             row.out["vs_accelerate_eager_B1"] = row.out["decode_tok_s_eager_B1"] / row.out[

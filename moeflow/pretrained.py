@@ -192,7 +192,7 @@ def _dense_plan(index, model: nn.Module, moe_owned: tuple[str, ...], block_paths
             n, k = shape[0], shape[1] * qspec.pack
             shape = (n, k)
             grid = (qspec.scale_grid(n, k) if qspec.format == "fp8_block" else (n, k // 16))
-            for part, skey in sk.items():
+            for skey in sk.values():
                 if skey not in index:
                     raise CheckpointError(f"{directory}: {key} is quantized but {skey} is missing", key=skey)
             got = index.info(sk["scale"]).shape

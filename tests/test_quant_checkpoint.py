@@ -12,19 +12,17 @@ Legend: E experts, H hidden, I intermediate per expert, Is shared-expert width.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 from hf_configs import tiny_model
-from safetensors.torch import save_file
 
 from moeflow.checkpoint import CheckpointError, CheckpointIndex, load_moe_layer
 from moeflow.checkpoint.write import write_model_checkpoint
 from moeflow.config import ExpertWeights, MoEConfig
 from moeflow.experts.reference import ReferenceExperts
-from moeflow.quant import MXFP4, NVFP4, fp8_block_spec, quantize_experts, quantize_fp8_block, quantize_nvfp4
+from moeflow.quant import MXFP4, NVFP4, fp8_block_spec
 from moeflow.quant.formats import dequantize_fp8_block
 from moeflow.routing.spec import RouterSpec
 

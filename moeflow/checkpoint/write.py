@@ -227,10 +227,10 @@ def write_model_checkpoint(directory: str | os.PathLike, model: Any, family: str
     Returns (directory, {layer: the ExpertWeights written}, {quantized dense key: its tensors}).
     """
     from ..config import ExpertWeights
+    from ..families import family_for
     from ..hf.util import attr_path
     from ..quant import quantize_experts
     from ..routing.families import text_config
-    from ..families import family_for
 
     fam = family_for(family)
     adapter = fam.checkpoint
