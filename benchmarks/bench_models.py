@@ -7,6 +7,7 @@ decoder layers as --layers asks; the JSON names the depth), loads the directory 
     write_s, checkpoint_bytes   writing the checkpoint (random bytes in the format; the weights
                                 are random, the layout, names and scale grids are the release's)
     load_s, peak_gpu_bytes      from_pretrained wall time; torch.cuda.max_memory_allocated after load
+    peak_host_rss_bytes_load    the process's peak RSS during the load (Linux VmHWM, reset before it)
     prefill_tok_s               one forward of batch 1, T = --prefill-T (2048), use_cache=False
     decode_tok_s[eager, B]      model.generate (greedy, --new-tokens) at B = 1, 16, 64
     decode_tok_s[graph, B]      moeflow.hf.StaticDecoder (every decode step one CUDA graph replay)
@@ -229,6 +230,27 @@ class Row:
         print(f"  {self.name} {what}: {type(exc).__name__}: {str(exc)[:200]}", flush=True)
 
 
+def _reset_peak_rss() -> None:
+    """Linux: restart the process's peak-RSS count (VmHWM), so the load's peak excludes the writing."""
+    try:
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")
+    except OSError:
+        pass
+
+
+def _peak_rss(field: str = "VmHWM") -> int | None:
+    """Peak resident bytes since the last reset (VmHWM; "VmRSS": now), None where /proc is not there."""
+    try:
+        with open("/proc/self/status") as fh:
+            for line in fh:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
 def _sync(device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
@@ -351,6 +373,8 @@ def run_row(name: str, layers: int | None, args, device, roofs: dict) -> dict:
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+    _reset_peak_rss()
+    row.out["host_rss_bytes_before_load"] = _peak_rss("VmRSS")
     try:
         t0 = time.perf_counter()
         model = moeflow.from_pretrained(directory, device=device, dtype=torch.bfloat16, offload=offload,
@@ -359,6 +383,7 @@ def run_row(name: str, layers: int | None, args, device, roofs: dict) -> dict:
     except Exception as exc:  # noqa: BLE001
         row.err("load", exc)
         return row.out
+    row.out["peak_host_rss_bytes_load"] = _peak_rss()
     rep = model.moeflow_load
     row.out.update(expert_bytes_loaded=rep.expert_bytes, dense_bytes_loaded=rep.dense_bytes,
                    offloaded_bytes=rep.offloaded_bytes)

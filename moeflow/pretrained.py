@@ -429,6 +429,7 @@ def from_pretrained(
             report.dense_bytes += t.numel() * t.element_size()
             bar.update(nb)
         bar.update(0, "dense weights")
+        index.close()  # unmaps the shards read so far: host RSS holds no file pages between layers
         given = {}
         for i in moe_ids:
             bname, block = blocks[i]
@@ -446,6 +447,7 @@ def from_pretrained(
             for pname in [n for n, p in ex._parameters.items() if p is not None and p.device.type == "meta"]:
                 del ex._parameters[pname]  # the experts live in the MoELayer (their stored format)
             given[i] = w
+            index.close()
             bar.update(sum(index.info(k).nbytes for k in _plan_keys(index, plans[i])), f"layer {i}")
     finally:
         bar.close()
