@@ -127,12 +127,18 @@ def _owner(root: nn.Module, name: str) -> tuple[nn.Module, str]:
 def _put(root: nn.Module, name: str, t: torch.Tensor) -> None:
     """Set parameter or buffer `name` (dotted, from root) to `t` (a Parameter without grad for parameters)."""
     mod, leaf = _owner(root, name)
-    if leaf in mod._parameters:
-        mod._parameters[leaf] = nn.Parameter(t, requires_grad=False)
-    elif leaf in mod._buffers:
-        mod._buffers[leaf] = t
-    else:
+    old = _tensor_at(mod, leaf)
+    if old is None:
         raise AttributeError(f"{name}: no parameter or buffer of that name")
+    # nn.Module.__setattr__ replaces a registered parameter / buffer (a buffer keeps its persistence)
+    setattr(mod, leaf, nn.Parameter(t, requires_grad=False) if isinstance(old, nn.Parameter) else t)
+
+
+def _tensor_at(mod: nn.Module, leaf: str) -> torch.Tensor | None:
+    """The module's own parameter or buffer `leaf`, None when it has neither."""
+    own = dict(mod.named_parameters(recurse=False))
+    own.update(mod.named_buffers(recurse=False))
+    return own.get(leaf)
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -249,7 +255,7 @@ def _fill_block(block: nn.Module, fam, lw, *, device: torch.device, dtype: torch
         if path is None or t is None:
             return
         mod, leaf = _owner(block, path)
-        old = mod._parameters.get(leaf, mod._buffers.get(leaf))
+        old = _tensor_at(mod, leaf)
         # the skeleton's dtype (transformers keeps some router tensors in fp32)
         want = old.dtype if old is not None and old.is_floating_point() and cast else t.dtype
         t = t.to(device=device, dtype=want if t.is_floating_point() else t.dtype)
@@ -444,8 +450,8 @@ def from_pretrained(
             report.expert_bytes += w.nbytes
             report.dense_bytes += _fill_block(block, fam, lw, device=dev, dtype=act_dtype)
             ex = block.get_submodule(fam.hf.experts)
-            for pname in [n for n, p in ex._parameters.items() if p is not None and p.device.type == "meta"]:
-                del ex._parameters[pname]  # the experts live in the MoELayer (their stored format)
+            for pname in [n for n, p in ex.named_parameters(recurse=False) if p.device.type == "meta"]:
+                delattr(ex, pname)  # the experts live in the MoELayer (their stored format)
             given[i] = w
             index.close()
             bar.update(sum(index.info(k).nbytes for k in _plan_keys(index, plans[i])), f"layer {i}")
@@ -474,13 +480,13 @@ def from_pretrained(
 
 def _is_meta(model: nn.Module, name: str) -> bool:
     mod, leaf = _owner(model, name)
-    t = mod._parameters.get(leaf, mod._buffers.get(leaf))
+    t = _tensor_at(mod, leaf)
     return t is not None and t.device.type == "meta"
 
 
 def _param_dtype(model: nn.Module, name: str, default: torch.dtype) -> torch.dtype:
     mod, leaf = _owner(model, name)
-    t = mod._parameters.get(leaf, mod._buffers.get(leaf))
+    t = _tensor_at(mod, leaf)
     return t.dtype if t is not None and t.is_floating_point() else default
 
 
