@@ -445,10 +445,11 @@ def run_peers(name: str, config, row: Row, device, directory: str, offload) -> N
 
     need = _hf_bf16_bytes(config)
     row.out["hf_bf16_bytes"] = need
-    smoke = config.vocab_size == 256
-    one, two = (_hf_bf16_bytes(make_config(name, n, smoke=smoke)) for n in (1, 2))
-    depth = ROWS[name]["depth"]
-    row.out["hf_bf16_bytes_full_depth"] = one + (depth - 1) * (two - one)  # what transformers allocates
+    if name != "deepseek-v3":  # (its first 3 layers are dense: two small configs do not give its per-layer size)
+        smoke = config.vocab_size == 256
+        one, two = (_hf_bf16_bytes(make_config(name, n, smoke=smoke)) for n in (1, 2))
+        depth = ROWS[name]["depth"]
+        row.out["hf_bf16_bytes_full_depth"] = one + (depth - 1) * (two - one)  # what transformers allocates
     cap = torch.cuda.get_device_properties(device).total_memory if device.type == "cuda" else None
     if offload is None:
         if cap is not None and need > 0.85 * cap:
