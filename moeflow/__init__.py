@@ -5,6 +5,7 @@ without Triton or transformers loaded):
 
     RouterSpec, RoutingResult, route, router_logits, predict_next, router_spec_from_hf
     MoEConfig, MoELayer, patch_model, PatchReport
+    from_pretrained                          (a checkpoint -> a patched model, experts as stored)
     KernelOptions, KernelPlan, plan_step     (which kernel runs, and what a caller may choose)
     OffloadConfig
 
@@ -47,6 +48,7 @@ _EXPORTS: dict[str, str] = {
     "KernelPlan": "moeflow.experts.plan",
     "plan_step": "moeflow.experts.plan",
     "OffloadConfig": "moeflow.offload.config",
+    "from_pretrained": "moeflow.pretrained",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -12,18 +12,17 @@ Legend: E experts, H hidden, I intermediate per expert, Is shared-expert width.
 
 from __future__ import annotations
 
-import json
 import os
 
 import pytest
 import torch
 from hf_configs import tiny_model
-from safetensors.torch import save_file
 
 from moeflow.checkpoint import CheckpointError, CheckpointIndex, load_moe_layer
+from moeflow.checkpoint.write import write_model_checkpoint
 from moeflow.config import ExpertWeights, MoEConfig
 from moeflow.experts.reference import ReferenceExperts
-from moeflow.quant import MXFP4, NVFP4, fp8_block_spec, quantize_experts, quantize_fp8_block, quantize_nvfp4
+from moeflow.quant import MXFP4, NVFP4, fp8_block_spec
 from moeflow.quant.formats import dequantize_fp8_block
 from moeflow.routing.spec import RouterSpec
 
@@ -58,78 +57,8 @@ def write_quantized(directory, family: str, spec, qcfg: dict, *, fmt: str, layer
 
     Returns (directory, {layer: quantized ExpertWeights written}, {shared key: (q, scale[, s2])}).
     """
-    model = tiny_model(family, **overrides)
-    tensors = {k: v.detach().clone().contiguous() for k, v in model.state_dict().items()}
-    written: dict[int, ExpertWeights] = {}
-    shared: dict[str, tuple] = {}
-    g = torch.Generator().manual_seed(7)
-    for i in layers:
-        p = f"model.layers.{i}.mlp."
-        q = quantize_experts(_layer_weights(model, i, family), spec)
-        written[i] = q
-        del tensors[p + "experts.gate_up_proj"], tensors[p + "experts.down_proj"]
-        E, I = q.num_experts, q.intermediate_size
-        if fmt == "fused" and spec.format == "fp8_block":
-            tensors[p + "experts.gate_up_proj"] = q.gate_up
-            tensors[p + "experts.gate_up_proj_scale_inv"] = q.gate_up_scale
-            tensors[p + "experts.down_proj"] = q.down
-            tensors[p + "experts.down_proj_scale_inv"] = q.down_scale
-        elif fmt == "fused":  # mxfp4, gpt-oss names
-            tensors[p + "experts.gate_up_proj_blocks"] = q.gate_up.reshape(E, 2 * I, -1, 16).contiguous()
-            tensors[p + "experts.gate_up_proj_scales"] = q.gate_up_scale
-            tensors[p + "experts.down_proj_blocks"] = q.down.reshape(E, q.hidden_size, -1, 16).contiguous()
-            tensors[p + "experts.down_proj_scales"] = q.down_scale
-        else:
-            gi = q.gate_up_scale.shape[1] // 2  # gate's block rows (fp8) or I (nvfp4)
-            for e in range(E):
-                parts = {"gate_proj": (q.gate_up[e, :I], q.gate_up_scale[e, :gi], 0),
-                         "up_proj": (q.gate_up[e, I:], q.gate_up_scale[e, gi:], 1),
-                         "down_proj": (q.down[e], q.down_scale[e], None)}
-                for name, (w, s, half) in parts.items():
-                    base = f"{p}experts.{e}.{name}."
-                    tensors[base + "weight"] = w.contiguous()
-                    if spec.format == "fp8_block":
-                        tensors[base + "weight_scale_inv"] = s.contiguous()
-                    else:
-                        s2 = q.down_scale_2[e] if half is None else q.gate_up_scale_2[e, half]
-                        tensors[base + "weight_scale"] = s.contiguous()
-                        tensors[base + "weight_scale_2"] = s2.clone()
-                        tensors[base + "input_scale"] = torch.rand((), generator=g) + 0.5
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            key = f"{p}shared_experts.{name}.weight"
-            if key in tensors and spec.format == "fp8_block":
-                wq, s = quantize_fp8_block(tensors[key], spec.block)
-                tensors[key], tensors[key[: -len("weight")] + "weight_scale_inv"] = wq, s
-                shared[key] = (wq, s)
-            elif key in tensors and spec.format == "nvfp4":
-                wq, s, s2 = quantize_nvfp4(tensors[key])
-                base = key[: -len("weight")]
-                tensors[key], tensors[base + "weight_scale"], tensors[base + "weight_scale_2"] = wq, s, s2
-                tensors[base + "input_scale"] = torch.tensor(1.0)
-                shared[key] = (wq, s, s2)
-    if edit is not None:
-        edit(tensors)
-    d = str(directory)
-    os.makedirs(d, exist_ok=True)
-    keys = sorted(tensors)
-    if shards == 1:
-        save_file(tensors, os.path.join(d, "model.safetensors"), metadata={"format": "pt"})
-    else:
-        weight_map = {}
-        for n in range(shards):
-            name = f"model-{n + 1:05d}-of-{shards:05d}.safetensors"
-            part = {k: tensors[k] for k in keys[n::shards]}
-            save_file(part, os.path.join(d, name), metadata={"format": "pt"})
-            weight_map.update(dict.fromkeys(part, name))
-        with open(os.path.join(d, "model.safetensors.index.json"), "w") as fh:
-            json.dump({"metadata": {}, "weight_map": weight_map}, fh)
-    model.config.save_pretrained(d)
-    with open(os.path.join(d, "config.json")) as fh:
-        cfg = json.load(fh)
-    cfg["quantization_config"] = qcfg
-    with open(os.path.join(d, "config.json"), "w") as fh:
-        json.dump(cfg, fh)
-    return d, written, shared
+    return write_model_checkpoint(directory, tiny_model(family, **overrides), family, spec=spec,
+                                  quantization_config=qcfg, fmt=fmt, layers=layers, shards=shards, edit=edit)
 
 
 def _check_loaded(path: str, family: str, layer: int, q: ExpertWeights, *, ids=None) -> None:

@@ -45,6 +45,14 @@ class TensorInfo:
     dtype: torch.dtype
     file: str
 
+    @property
+    def nbytes(self) -> int:
+        """Stored bytes (elements x item size, from the header)."""
+        n = 1
+        for d in self.shape:
+            n *= d
+        return n * self.dtype.itemsize
+
 
 def _unreadable(file: str, exc: BaseException, *, key: str | None = None) -> CheckpointError:
     """The CheckpointError for a shard safetensors cannot parse or read (truncated, corrupt header)."""

@@ -22,6 +22,7 @@ K picks per token, I intermediate per expert.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +36,7 @@ from ..layer import MoELayer
 from ..offload.attach import attach_offload, check_offload
 from ..offload.config import OffloadConfig
 from ..parallel.ep import shard_layer
+from ..parallel.ep_parts import check_ep_fingerprint
 from ..quant.hf import experts_from_hf_module
 from ..routing.families import router_spec_from_hf, text_config
 from ..routing.monitor import RoutingMonitor
@@ -134,11 +136,12 @@ def _quantized_experts(experts: nn.Module) -> bool:
     return hasattr(experts, "gate_up_proj_scale_inv") or hasattr(experts, "gate_up_proj_precision_config")
 
 
-def _sources(fam: Family, block: nn.Module, spec: RouterSpec) -> dict[str, torch.Tensor | None]:
-    """The block's tensors by MoELayer storage name (read fresh each call). Quantized experts are
-    read once at build time (their layer holds views or copies): none are listed here."""
+def _sources(fam: Family, block: nn.Module, spec: RouterSpec, own_experts: bool = True
+             ) -> dict[str, torch.Tensor | None]:
+    """The block's tensors by MoELayer storage name (read fresh each call). Quantized experts, and
+    experts given to patch_model (own_experts False), are held by the layer: none are listed here."""
     experts = _attr(block, fam.hf.experts)
-    if _quantized_experts(experts):
+    if not own_experts or _quantized_experts(experts):
         quantized = {"gate_up": None, "down": None, "gate_up_bias": None, "down_bias": None}
     else:
         quantized = {}
@@ -160,7 +163,10 @@ def _sources(fam: Family, block: nn.Module, spec: RouterSpec) -> dict[str, torch
 
 
 def _build_layer(fam: Family, block: nn.Module, config: Any, layer_idx: int, experts_impl: str,
-                 path: str, kernel_options: KernelOptions | None = None) -> MoELayer:
+                 path: str, kernel_options: KernelOptions | None = None, given: ExpertWeights | None = None,
+                 ep: tuple[Any, str, dict[str, Any]] | None = None) -> MoELayer:
+    """The block's MoELayer; `given`: its experts instead of the block's (with `ep` = (group, mode,
+    options): the rank's experts only, the layer built expert-parallel around them)."""
     spec = router_spec_from_hf(config, layer_idx)
     experts = _attr(block, fam.hf.experts)
     try:
@@ -169,9 +175,11 @@ def _build_layer(fam: Family, block: nn.Module, config: Any, layer_idx: int, exp
         raise ValueError(f"patch_model: {path} ({type(block).__name__}): {exc}") from None
     if spec.hash_routing and (fam.hf.hash_table is None or not hasattr(block.gate, "tid2eid")):
         raise ValueError(f"patch_model: {path}: the config says hash routing but the block has no tid2eid table")
-    src = _sources(fam, block, spec)
+    src = _sources(fam, block, spec, own_experts=given is None)
     E = spec.num_experts
-    if _quantized_experts(experts):
+    if given is not None:
+        w = given
+    elif _quantized_experts(experts):
         # transformers' FP8 / MXFP4 experts modules: their stored quantized tensors and scales,
         # read in place where the module's layout allows it (moeflow.quant.hf).
         try:
@@ -200,10 +208,18 @@ def _build_layer(fam: Family, block: nn.Module, config: Any, layer_idx: int, exp
         shared_gated=fam.hf.shared_gate is not None,
         router_prenorm_eps=float(getattr(_attr(block, fam.hf.router), "eps", 1e-6)),
     )
+    dispatcher = None
+    if ep is not None:
+        from ..parallel.ep_parts import local_source, make_dispatcher
+
+        group, mode, opts = ep
+        dispatcher = make_dispatcher(cfg, group=group, mode=mode, **opts)
+        w = local_source(dispatcher.placement, dispatcher.rank, static=opts.get("static_tokens") is not None, local=w)
     return MoELayer(
         cfg,
         router_weight_EH=src["router_weight"],
         experts=w,
+        dispatcher=dispatcher,
         router_bias_E=src["router_bias"],
         selection_bias_E=src["selection_bias"],
         expert_scale_E=src["expert_scale"],
@@ -259,6 +275,7 @@ def patch_model(
     offload: Any = None,
     layer_graphs: bool | dict[str, Any] = True,
     kernel_options: KernelOptions | None = None,
+    expert_weights: Mapping[int, ExpertWeights] | None = None,
 ) -> PatchReport:
     """Replace every MoE block of a transformers model by moeflow, sharing its weights.
 
@@ -286,6 +303,11 @@ def patch_model(
             pdl / fast_launch / pinned kernel variants: what a benchmark or a user may choose);
             None: the defaults. Which kernel each step then runs is the kernel plan's
             (moeflow.experts.plan; `moeflow info PATH --kernels` prints it).
+        expert_weights: layer index -> the ExpertWeights each block runs instead of its own
+            expert tensors (moeflow.from_pretrained passes the checkpoint's experts in their
+            stored format). With ep_group: this rank's experts only (the placement's
+            experts_of(rank), in that order); ep_options then takes placement / static_tokens /
+            timeout_s / reduce_dtype / check_inputs / check_config.
 
     Returns:
         PatchReport listing each replaced block (module path, family, implementation).
@@ -332,11 +354,21 @@ def patch_model(
                          f"(model_type={getattr(config, 'model_type', None)!r})")
     # Build and check everything first: a refusal leaves the model as it was.
     plans = []
+    given_all = dict(expert_weights) if expert_weights is not None else {}
     for path, block, fam in blocks:
         layer_idx = _layer_idx(path, block)
-        layer = _build_layer(fam, block, config, layer_idx, experts, path, kernel_options)
-        if ep_group is not None:
-            layer = shard_layer(layer, group=ep_group, mode=ep_mode, **(ep_options or {}))
+        given = given_all.get(layer_idx)
+        if given is not None and ep_group is not None:
+            opts = dict(ep_options or {})
+            check = opts.pop("check_config", True)
+            layer = _build_layer(fam, block, config, layer_idx, experts, path, kernel_options, given,
+                                 ep=(ep_group, ep_mode, opts))
+            if check:
+                check_ep_fingerprint(layer)
+        else:
+            layer = _build_layer(fam, block, config, layer_idx, experts, path, kernel_options, given)
+            if ep_group is not None:
+                layer = shard_layer(layer, group=ep_group, mode=ep_mode, **(ep_options or {}))
         plans.append((path, block, fam, layer_idx, layer))
     layers = [layer for *_, layer in plans]
     if offload is not None:
@@ -362,7 +394,8 @@ def patch_model(
         block_class = type(block).__name__ + (".router+experts" if fam.hf.decoder_level else "")
         targets = block_kinds(fam, block)
         # One state per block, shared by gemma4's two modules (the EP stash passes between them).
-        state = BlockState(fam, layer, (lambda b=block, f=fam, s=spec: _sources(f, b, s)), path)
+        own = layer_idx not in given_all
+        state = BlockState(fam, layer, (lambda b=block, f=fam, s=spec, o=own: _sources(f, b, s, o)), path)
         for module, kind in targets:
             module.__dict__["_moeflow"] = state
             module.__class__ = patched_class(kind, type(module))
