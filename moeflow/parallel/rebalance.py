@@ -52,8 +52,8 @@ from .dist_utils import (
     group_size,
     point_to_point,
 )
-from .eplb import ModelPlacement
 from .ep_parts import local_source, make_dispatcher
+from .eplb import ModelPlacement
 from .load import load_layers
 from .plan import EPPlacementError, Placement
 
@@ -333,7 +333,7 @@ def _commit(plan, built) -> None:
     """Swap every layer's dispatcher and source (offloaded layers: the new runtime over new resident sources,
     released once its store holds their copy, as attach_offload does)."""
     done: set[int] = set()
-    for layer, nw, d, src, rt in built:
+    for layer, _, d, src, rt in built:
         old_rt = getattr(layer, "offload", None)
         if rt is not None and id(old_rt) not in done:
             done.add(id(old_rt))
@@ -341,10 +341,10 @@ def _commit(plan, built) -> None:
         layer.dispatcher = d
         layer.set_source(src)
     installed: set[int] = set()
-    for layer, nw, d, src, rt in built:
+    for *_, rt in built:
         if rt is not None and id(rt) not in installed:
             installed.add(id(rt))
-            resident = [layer.source for layer in rt.layers]
+            resident = [m.source for m in rt.layers]
             rt.install()
             for s in resident:
                 s.release()
