@@ -18,15 +18,15 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-
 from ep_spawn import check_case
+from test_ep_dist import _build, _generate, _hf_quiet, _tokens
+
 from moeflow.experts.select import get_impl
 from moeflow.layer import MoELayer
 from moeflow.parallel import EPPlacementError, expert_load, plan_placement
 from moeflow.parallel.ep import shard_layer
 from moeflow.parallel.plan import Placement
 from moeflow.testing import assert_bitwise_equal, assert_close
-from test_ep_dist import _build, _generate, _hf_quiet, _tokens
 
 TIMEOUT_S = 10.0
 HOT = (1, 2)  # experts a large router bias makes every token pick
@@ -202,9 +202,10 @@ def _case_load_counts(rank, W):
 
 
 def _whole_model(rank, W, family, mode, R):
+    from hf_configs import tiny_model
+
     import moeflow
     from moeflow import hf as mhf
-    from hf_configs import tiny_model
 
     _hf_quiet()
     model = tiny_model(family, seed=3)
