@@ -33,9 +33,9 @@ _EXPORTS: dict[str, str] = {
     "expert_load": "moeflow.parallel.load",
     "plan_placement": "moeflow.parallel.eplb",
     "ModelPlacement": "moeflow.parallel.eplb",
-    "rebalance": "moeflow.parallel.rebalance",
-    "RebalanceReport": "moeflow.parallel.rebalance",
-    "EPRebalanceAborted": "moeflow.parallel.rebalance",
+    "rebalance": "moeflow.parallel.rebalancing",
+    "RebalanceReport": "moeflow.parallel.rebalancing",
+    "EPRebalanceAborted": "moeflow.parallel.rebalancing",
     "combine_TH": "moeflow.parallel.local",
     "LocalDispatch": "moeflow.parallel.local",
 }

@@ -33,7 +33,7 @@ call with EPGroupBroken).
 
 Every sharded layer counts its routed pairs per expert on the device (moeflow.parallel.load:
 `expert_load(layers)`), what `plan_placement` and `rebalance` (moeflow.parallel.eplb,
-moeflow.parallel.rebalance) place the experts by.
+moeflow.parallel.rebalancing) place the experts by.
 
 Refused by name: gradients (EP is inference-only), a placement whose world size is not
 the group's, an unknown mode, a non-finite timeout.

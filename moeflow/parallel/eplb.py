@@ -6,7 +6,7 @@ experts, W ranks, G ranks per node, N = W / G nodes, X expert groups (of E / X e
     load_LE = expert_load(model, reduce=True)                 # moeflow.parallel.load
     p = plan_placement(load_LE, world_size=W, redundant_experts=R)
     p.imbalance(load_LE)                                      # max rank load / mean rank load
-    rebalance(model, p)                                       # moeflow.parallel.rebalance
+    rebalance(model, p)                                       # moeflow.parallel.rebalancing
 
 The algorithm is DeepSeek's EPLB, per layer:
     1. replicate: R times, give one more copy to the expert whose load per copy is the

@@ -330,14 +330,10 @@ def _with_offload(built: list) -> list:
 
 
 def _commit(plan, built) -> None:
-    """Swap every layer's dispatcher and source (offloaded layers: the new runtime over new resident sources,
-    released once its store holds their copy, as attach_offload does)."""
-    done: set[int] = set()
-    for layer, _, d, src, rt in built:
-        old_rt = getattr(layer, "offload", None)
-        if rt is not None and id(old_rt) not in done:
-            done.add(id(old_rt))
-            old_rt.detach()
+    """Swap every layer's dispatcher and source (offloaded layers: the new runtime installed over new
+    resident sources, released once its store holds their copy, as attach_offload does; the old
+    runtime is dropped, not detached: its resident tensors were released)."""
+    for layer, _, d, src, _ in built:
         layer.dispatcher = d
         layer.set_source(src)
     installed: set[int] = set()
