@@ -70,8 +70,8 @@ def _step(refs, eps, rank, W, step, Ts, *, same_tokens=False):
 
 
 def _case_mid_run(rank, W):
-    """Serve, measure, rebalance (R: 0 -> W), serve, rebalance again (R: W -> 2W); the same bits throughout;
-    also the static decode mode and all_reduce mode."""
+    """Serve, measure, rebalance (R: 0 -> W), serve; the static decode and all_reduce modes too; then
+    (dynamic) R: W -> 2W -> 0 (packed by load) -> contiguous; the same bits throughout."""
     for mode, static in (("all_to_all", None), ("all_to_all", 8), ("all_reduce", None)):
         refs, eps = _chain(W, 200, mode=mode, static=static)
         Ts = [3, 6, 0, 5][:W] if mode == "all_to_all" else [6] * W
@@ -99,6 +99,11 @@ def _case_mid_run(rank, W):
         p2 = plan_placement(expert_load(eps, reduce=True), W, redundant_experts=2 * W)
         rebalance(eps, p2)
         _step(refs, eps, rank, W, 4, Ts, same_tokens=same)
+        # one copy each, packed by load (physical ids no longer the logical ones)
+        p0 = plan_placement(expert_load(eps, reduce=True), W, redundant_experts=0)
+        assert not all(lp.is_identity for lp in p0.layers)
+        rebalance(eps, p0)
+        _step(refs, eps, rank, W, 6, Ts, same_tokens=same)
         # back to one copy each, contiguous
         rebalance(eps, [Placement.contiguous(8, W)] * 3)
         _step(refs, eps, rank, W, 5, Ts, same_tokens=same)

@@ -57,6 +57,20 @@ def test_one_copy_placements_unchanged():
     assert p.fingerprint() == Placement.from_physical(list(range(8)), [0] * 4 + [1] * 4, world_size=2).fingerprint()
 
 
+def test_one_copy_permuted_placement_routes_by_the_physical_map():
+    """A one-copy placement numbered otherwise than the logical ids (plan_placement with R = 0) routes
+    each pair to the rank and local index holding its expert."""
+    p = Placement.from_physical([3, 0, 2, 1], [0, 0, 1, 1], world_size=2)
+    assert not p.is_redundant and not p.is_identity
+    assert p.experts_per_rank == ((3, 0), (2, 1))
+    ids = torch.tensor([[0, 1], [3, 2], [4, 0]])
+    plan = ep_plan(ids, torch.ones(3, 2), p, num_zero_experts=1)
+    assert plan.physical_TK.tolist() == [[1, 3], [0, 2], [-1, 1]]
+    assert plan.dest_rank_TK.tolist() == [[0, 1], [0, 1], [-1, 0]]
+    assert plan.local_expert_TK.tolist() == [[1, 1], [0, 0], [-1, 1]]
+    assert Placement.contiguous(4, 2).is_identity
+
+
 @pytest.mark.parametrize("offset", [0, 1, 3])
 def test_copies_share_rows_within_one(offset):
     """Every expert's pairs spread over its copies round robin: counts per copy differ by at most one,

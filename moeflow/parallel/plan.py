@@ -366,6 +366,15 @@ class Placement:
     def is_redundant(self) -> bool:
         return self.num_physical != self.num_experts
 
+    @property
+    def is_identity(self) -> bool:
+        """One copy each and physical id = logical id (every one-copy constructor but from_physical)."""
+        hit = self._device_cache.get("identity")
+        if hit is None:
+            hit = self._device_cache["identity"] = not self.is_redundant and bool(
+                torch.equal(self.logical_of_Q, torch.arange(self.num_experts, dtype=torch.int64)))
+        return hit
+
     def physical_of(self, rank: int) -> tuple[int, ...]:
         """Physical ids of rank `rank`'s experts, in local order."""
         self._check_rank(rank)
@@ -608,14 +617,17 @@ def physical_ids(ids_TK: torch.Tensor, placement: Placement, *, copy_offset: int
     The j-th pair of expert e, counting pairs in (token, slot) order, goes to copy
     (j + copy_offset) % copies(e) of e (its copies in ascending physical order): each copy
     gets the same number of this call's rows within one. Device-side (a stable sort and a
-    scatter), no host read; without redundancy the physical id is the logical one.
+    scatter), no host read; with one copy each a lookup (the logical id itself when the placement
+    numbers physical experts as the logical ones).
     """
     E = placement.num_experts
     ids = ids_TK.to(torch.int64)
     is_zero = ids >= E
-    if not placement.is_redundant:
+    if placement.is_identity:
         return torch.where(is_zero, torch.full_like(ids, -1), ids)
     _, _, copies_EM, num_copies_E = placement.physical_tensors(ids.device)
+    if not placement.is_redundant:
+        return torch.where(is_zero, torch.full_like(ids, -1), copies_EM[ids.clamp(max=E - 1), 0])
     key_P = torch.where(is_zero, torch.full_like(ids, E), ids).reshape(-1)
     n = int(key_P.numel())
     order = torch.sort(key_P, stable=True).indices
