@@ -28,7 +28,9 @@ pairs it owns out of the W*Tm*K candidates (the others are junk rows, placed aft
 real rows, zero input, and masked out), sends y back as [Tm, K, H] per source, and the
 source gathers each pair's row from its owner's block.
 
-Zero experts (ids >= E) are never sent: their y rows stay zero here and the caller's
+Redundant copies (a placement with E + R physical experts): the source picks each pair's copy
+(`plan.physical_ids`, offset by its rank) and sends to the copy's rank; the static mode's rows
+carry physical ids. Zero experts (ids >= E) are never sent: their y rows stay zero here and the caller's
 combine adds w*x. The handles are frozen dataclasses; nothing here knows about experts.
 
 Every step's collectives carry the step header of `dist_utils.EPStep` (C = 5 int64:
