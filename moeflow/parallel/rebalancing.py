@@ -28,6 +28,9 @@ A rank that dies or hangs mid-move surfaces on the others as EPCollectiveError (
 `timeout_s`, naming the exchange); they keep the old placement and the group is marked
 broken, as for a failed step.
 
+Memory: until the commit a rank holds its old and its new experts (and, offloaded, both stores
+and slot caches), plus the bytes it sends and receives.
+
 No EP step may be in flight (a ValueError otherwise): call it between forwards. Offloaded
 layers (moeflow.offload) get a new store and slot cache holding their new experts (the host
 copies of the old store are the source of the moves); the old cache is dropped.
