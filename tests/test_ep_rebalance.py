@@ -76,10 +76,11 @@ def _case_mid_run(rank, W):
         refs, eps = _chain(W, 200, mode=mode, static=static)
         Ts = [3, 6, 0, 5][:W] if mode == "all_to_all" else [6] * W
         same = mode == "all_reduce"
-        for step in range(2):
+        n = 2 if mode == "all_to_all" and static is None else 1  # steps before and after the move
+        for step in range(n):
             _step(refs, eps, rank, W, step, Ts, same_tokens=same)
         load = expert_load(eps, reduce=True, reset=True)
-        assert int(load.sum()) == 2 * 2 * 3 * (Ts[0] if same else sum(Ts)), load.tolist()  # steps * K * layers
+        assert int(load.sum()) == n * 2 * 3 * (Ts[0] if same else sum(Ts)), load.tolist()  # steps * K * layers
         before = ModelPlacement.from_layers([m.dispatcher.placement for m in eps]).imbalance(load)
         p = plan_placement(load, W, redundant_experts=W)
         assert p.imbalance(load) <= before
@@ -92,7 +93,7 @@ def _case_mid_run(rank, W):
         moved = torch.tensor([rep.bytes_sent, rep.bytes_received])
         dist.all_reduce(moved)
         assert int(moved[0]) == int(moved[1]), "bytes sent and received over the group differ"
-        for step in range(2, 4):
+        for step in range(2, 2 + n):
             _step(refs, eps, rank, W, step, Ts, same_tokens=same)
         if mode != "all_to_all" or static is not None:
             continue
@@ -214,7 +215,7 @@ def _case_whole_model(rank, W):
     moeflow.patch_model(model, experts="reference", ep_group=dist.group.WORLD,
                         ep_options={"redundant_experts": W, "timeout_s": TIMEOUT_S})
     with torch.no_grad():
-        assert torch.equal(_generate(model, ids), want)
+        model(ids)  # the load the placement is planned from
     p = plan_placement(expert_load(model, reduce=True), W, redundant_experts=2 * W)
     rebalance(model, p)
     assert all(m.dispatcher.placement.num_physical == 8 + 2 * W for m in mhf.moe_layers(model))
