@@ -74,22 +74,15 @@ def test_nccl_copies_and_rebalance_bitwise(nccl_world1):  # noqa: F811
 
 def test_nccl_static_decode_graph_with_copies(nccl_world1):  # noqa: F811
     from moeflow.parallel.ep import shard_layer
-    from moeflow.testing import assert_bitwise_equal
+    from moeflow.testing import assert_bitwise_equal, capture_cuda_graph
 
     layer = _layer("triton_bi")
     layer.check_routing = "never"  # no host sync inside the captured step
     ep = shard_layer(layer, group=nccl_world1, mode="all_to_all", static_tokens=8, redundant_experts=8)
     x_static = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16)
     assert_bitwise_equal(ep(x_static), layer(x_static), what="static decode with copies vs layer")
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(2):
-            ep(x_static)
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        y_static = ep(x_static)
+    ep(x_static)  # the placement's device tables and the step's first allocations, outside the capture
+    graph, y_static = capture_cuda_graph(lambda: ep(x_static))
     for seed in (1, 2):
         x_new = torch.randn(8, 256, device="cuda", dtype=torch.bfloat16,
                             generator=torch.Generator(device="cuda").manual_seed(seed))
