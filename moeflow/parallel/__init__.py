@@ -1,4 +1,5 @@
-"""Dispatch / combine: local (one device), all_to_all and all_reduce expert parallelism.
+"""Dispatch / combine: local (one device), all_to_all and all_reduce expert parallelism; expert load
+balance (redundant copies, measured load, placement, rebalancing).
 
 Names resolve lazily so `import moeflow.parallel` does not pull in torch.distributed
 machinery until it is used.
@@ -26,6 +27,15 @@ _EXPORTS: dict[str, str] = {
     "EPStepMismatch": "moeflow.parallel.dist_utils",
     "check_steps": "moeflow.parallel.dist_utils",
     "local_dispatch": "moeflow.parallel.local",
+    "EPPlacementError": "moeflow.parallel.plan",
+    "physical_ids": "moeflow.parallel.plan",
+    "track_load": "moeflow.parallel.load",
+    "expert_load": "moeflow.parallel.load",
+    "plan_placement": "moeflow.parallel.eplb",
+    "ModelPlacement": "moeflow.parallel.eplb",
+    "rebalance": "moeflow.parallel.rebalancing",
+    "RebalanceReport": "moeflow.parallel.rebalancing",
+    "EPRebalanceAborted": "moeflow.parallel.rebalancing",
     "combine_TH": "moeflow.parallel.local",
     "LocalDispatch": "moeflow.parallel.local",
 }

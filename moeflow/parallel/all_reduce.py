@@ -10,6 +10,9 @@ one all_reduce (in `reduce_dtype`, float32 by default) adds the W partial sums. 
 experts (w * x) are added after the reduce, on every rank, so they count once; the
 layer adds the shared expert after that, also once.
 
+With redundant copies every rank picks the same copy for a pair (`plan.physical_ids` with
+offset 0 on the same routing), so each pair is computed once.
+
 The cross-rank sum runs in the backend's order, not in slot order, so this plan
 matches the single-process layer within rounding (float32 accumulation of the partial
 sums, one rounding to x's dtype at the end), not bit for bit; the all-to-all plan is

@@ -28,7 +28,9 @@ pairs it owns out of the W*Tm*K candidates (the others are junk rows, placed aft
 real rows, zero input, and masked out), sends y back as [Tm, K, H] per source, and the
 source gathers each pair's row from its owner's block.
 
-Zero experts (ids >= E) are never sent: their y rows stay zero here and the caller's
+Redundant copies (a placement with E + R physical experts): the source picks each pair's copy
+(`plan.physical_ids`, offset by its rank) and sends to the copy's rank; the static mode's rows
+carry physical ids. Zero experts (ids >= E) are never sent: their y rows stay zero here and the caller's
 combine adds w*x. The handles are frozen dataclasses; nothing here knows about experts.
 
 Every step's collectives carry the step header of `dist_utils.EPStep` (C = 5 int64:
@@ -420,7 +422,7 @@ class AllToAllDispatcher(EPStepOwner):
         T, K = ids_TK.shape
         H = x_TH.shape[1]
         device = x_TH.device
-        plan = ep_plan(ids_TK, weights_TK, self.placement)
+        plan = ep_plan(ids_TK, weights_TK, self.placement, copy_offset=me)
         dest_TK = plan.dest_rank_TK
         # Which ranks each token must visit (once per rank, whatever its number of slots there).
         visit_TW = torch.zeros(T, W + 1, dtype=torch.bool, device=device)
@@ -601,12 +603,13 @@ class AllToAllDispatcher(EPStepOwner):
             ids_pad = torch.cat([ids_pad, torch.full((pad, K), E, dtype=torch.int64, device=device)])
             w_pad = torch.cat([w_pad, torch.zeros(pad, K, dtype=torch.float32, device=device)])
             x_pad = torch.cat([x_TH, x_TH.new_zeros((pad, H))])
-        plan = ep_plan(ids_pad, w_pad, self.placement, validate=False)
+        plan = ep_plan(ids_pad, w_pad, self.placement, validate=False, copy_offset=me)
         hdr = step.header_tensor(device)
-        # One packed row per token: [x bytes | K (id, weight bits) int32 pairs | step header], to
-        # every rank. The header rides in every row (C * 8 bytes each, no extra copy); the
-        # receiver reads the first row's.
-        picks_TK2 = torch.stack([ids_pad.to(torch.int32), w_pad.view(torch.int32)], dim=2)
+        # One packed row per token: [x bytes | K (physical id, weight bits) int32 pairs | step
+        # header], to every rank. The source chose each pair's copy (-1: zero expert or padding);
+        # the header rides in every row (C * 8 bytes each, no extra copy); the receiver reads the
+        # first row's.
+        picks_TK2 = torch.stack([plan.physical_TK.to(torch.int32), w_pad.view(torch.int32)], dim=2)
         row_TB = torch.cat([_as_bytes(x_pad.contiguous()), _as_bytes(picks_TK2.reshape(Tm, 2 * K)),
                             hdr.view(torch.uint8).expand(Tm, HEADER_BYTES)], dim=1)
         B = int(row_TB.shape[1])
@@ -624,15 +627,16 @@ class AllToAllDispatcher(EPStepOwner):
         x_recv_WTH = recv_WTB[..., :xb].contiguous().view(x_TH.dtype)
         picks_recv = recv_WTB[..., xb: xb + 8 * K].contiguous().view(torch.int32).view(W, Tm, K, 2)
         N = W * Tm * K
-        rank_of_E, local_index_E = self.placement.tensors(device)
+        rank_of_Q, local_index_Q, _, _ = self.placement.physical_tensors(device)
+        Q = self.placement.num_physical
         ids_N = picks_recv[..., 0].reshape(N).to(torch.int64)
         wts_N = picks_recv[..., 1].reshape(N).contiguous().view(torch.float32)
-        routed = (ids_N >= 0) & (ids_N < E)
-        safe = ids_N.clamp(0, E - 1)
-        mine_N = routed & (rank_of_E[safe] == me)
+        routed = (ids_N >= 0) & (ids_N < Q)
+        safe = ids_N.clamp(0, Q - 1)
+        mine_N = routed & (rank_of_Q[safe] == me)
         L = self.num_local
         junk = max(L - 1, 0)
-        local_N = torch.where(mine_N, local_index_E[safe], torch.full_like(ids_N, junk))
+        local_N = torch.where(mine_N, local_index_Q[safe], torch.full_like(ids_N, junk))
         # Real rows first, grouped by expert in (source, token, slot) order; junk rows last.
         key_N = torch.where(mine_N, local_N, torch.full_like(local_N, L))
         order_N = torch.sort(key_N, stable=True).indices

@@ -58,6 +58,8 @@ __all__ = [
     "check_timeout",
     "mark_broken",
     "collective",
+    "point_to_point",
+    "refuse_if_broken",
     "group_device",
     "group_rank",
     "group_size",
@@ -225,6 +227,32 @@ def collective(
     return None
 
 
+def point_to_point(name: str, sends: Mapping[int, torch.Tensor], recvs: Mapping[int, torch.Tensor], *,
+                   group: dist.ProcessGroup, timeout_s: float | None) -> None:
+    """Post every send and receive at once (peer: its rank in `group` -> a contiguous buffer), then wait
+    for each at most `timeout_s` seconds (both sides must post matching sizes; empty buffers are skipped).
+
+    A failure (timeout, a peer's connection closed) raises EPCollectiveError naming `name`, and the
+    group is marked broken (the peers' messages may still arrive later).
+    """
+    refuse_if_broken(group, f"collective {name!r}")
+    t0 = time.monotonic()
+    works = []
+    try:
+        for peer, buf in recvs.items():
+            if buf.numel():
+                works.append(dist.irecv(buf, src=dist.get_global_rank(group, peer), group=group))
+        for peer, buf in sends.items():
+            if buf.numel():
+                works.append(dist.isend(buf, dst=dist.get_global_rank(group, peer), group=group))
+    except Exception as exc:
+        err = _error(name, group, timeout_s, t0, exc)
+        mark_broken(group, f"{name!r}: {type(exc).__name__}")
+        raise err from exc
+    for work in works:
+        _Pending(name, work, group, timeout_s, t0).wait()
+
+
 class _Pending:
     """An in-flight collective started by `collective(..., wait=False)`."""
 
@@ -330,6 +358,11 @@ def _steps(group: object) -> _GroupSteps:
     if st is None or st.group is not group:
         st = _STEPS[_group_key(group)] = _GroupSteps(group)
     return st
+
+
+def refuse_if_broken(group: object, name: str) -> None:
+    """Raise EPGroupBroken naming `name` when `group` failed earlier."""
+    _refuse_if_broken(group, name)
 
 
 def _refuse_if_broken(group: object, name: str) -> None:

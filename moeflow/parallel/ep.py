@@ -31,6 +31,10 @@ the fields the ranks disagree on. Every collective waits at most `timeout_s`
 (EPCollectiveError naming the collective past it; the group then refuses every later
 call with EPGroupBroken).
 
+Every sharded layer counts its routed pairs per expert on the device (moeflow.parallel.load:
+`expert_load(layers)`), what `plan_placement` and `rebalance` (moeflow.parallel.eplb,
+moeflow.parallel.rebalancing) place the experts by.
+
 Refused by name: gradients (EP is inference-only), a placement whose world size is not
 the group's, an unknown mode, a non-finite timeout.
 
@@ -56,6 +60,7 @@ from .ep_parts import (
     make_dispatcher,
     resolve_placement,
 )
+from .load import track_load
 from .plan import Placement, contiguous_ranges
 
 __all__ = [
@@ -85,6 +90,7 @@ def shard_layer(
     check_config: bool = True,
     reduce_dtype: torch.dtype | str | None = None,
     check_inputs: bool | None = None,
+    redundant_experts: int | None = None,
 ):
     """Shard `layer`'s routed experts over `group`: a new MoELayer with an EP dispatcher.
 
@@ -108,6 +114,10 @@ def shard_layer(
         reduce_dtype: all_reduce mode's partial-sum dtype on the wire (None: float32; a dtype or its name).
         check_inputs: all_reduce mode: check each call that the ranks hold the same tokens (None: True).
             Either given with mode "all_to_all" is a ValueError (an option that mode would ignore).
+        redundant_experts: R: hold E + R physical experts (copies of the logical ones); with no
+            placement the default layout `Placement.replicated` (EPPlacementError unless W divides
+            E + R), with one it must hold R copies. Each (token, expert) pair runs on one copy
+            (moeflow.parallel.plan.physical_ids). None: one copy each (or the placement's).
 
     Returns:
         a MoELayer (layer.replace(...)): `dispatcher` (placement, rank, world_size,
@@ -119,12 +129,14 @@ def shard_layer(
     if layer.dispatcher.name != "local":
         raise ValueError(f"layer {layer.layer_idx}: already expert-parallel ({layer.dispatcher.name})")
     d = make_dispatcher(layer.config, group=group, mode=mode, placement=placement, static_tokens=static_tokens,
-                        timeout_s=timeout_s, reduce_dtype=reduce_dtype, check_inputs=check_inputs)
+                        timeout_s=timeout_s, reduce_dtype=reduce_dtype, check_inputs=check_inputs,
+                        redundant_experts=redundant_experts)
     full = None if local_experts is not None else layer.expert_weights
     source = local_source(d.placement, d.rank, static=static_tokens is not None, full=full, local=local_experts)
     ep = layer.replace(source=source, dispatcher=d, experts_impl=experts_impl)
     if check_config:
         check_ep_fingerprint(ep)
+    track_load([ep])
     return ep
 
 

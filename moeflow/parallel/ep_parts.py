@@ -25,7 +25,7 @@ from ..routing.spec import SCORE_FNS
 from .all_reduce import AllReduceDispatcher
 from .all_to_all import AllToAllDispatcher
 from .dist_utils import check_same_across_ranks, check_timeout, dtype_code, group_size
-from .plan import Placement, as_placement
+from .plan import EPPlacementError, Placement, as_placement
 
 __all__ = ["EP_MODES", "PlacementLike", "check_ep_fingerprint", "local_source", "make_dispatcher",
            "resolve_placement"]
@@ -35,9 +35,27 @@ EP_MODES: tuple[str, ...] = ("all_to_all", "all_reduce")
 PlacementLike = Placement | Sequence | torch.Tensor | Mapping | None
 
 
-def resolve_placement(placement: PlacementLike, num_experts: int, world_size: int) -> Placement:
+def resolve_placement(placement: PlacementLike, num_experts: int, world_size: int,
+                      redundant_experts: int | None = None) -> Placement:
     """The placement to use: contiguous equal ranges when None (ValueError if W does not
-    divide E, saying to pass a map), else `as_placement(placement)` checked against E and W."""
+    divide E, saying to pass a map), else `as_placement(placement)` checked against E and W.
+
+    redundant_experts: R > 0 with no placement: `Placement.replicated(E, W, R)` (EPPlacementError
+    unless W divides E + R); with a placement: checked against its redundant copies (EPPlacementError
+    when they differ). None or 0 with no placement: one copy each.
+    """
+    if redundant_experts is not None and (not isinstance(redundant_experts, int) or isinstance(redundant_experts, bool)
+                                          or redundant_experts < 0):
+        raise EPPlacementError(f"redundant_experts={redundant_experts!r}: expected an int >= 0")
+    if placement is None and redundant_experts:
+        return Placement.replicated(num_experts, world_size, redundant_experts)
+    if placement is not None and redundant_experts is not None:
+        p = resolve_placement(placement, num_experts, world_size)
+        if p.num_redundant != redundant_experts:
+            raise EPPlacementError(f"redundant_experts={redundant_experts}: the placement given holds "
+                                   f"{p.num_physical} physical experts for E={num_experts}, i.e. "
+                                   f"R={p.num_redundant}; expected them to agree (or leave one out)")
+        return p
     if placement is None:
         try:
             return Placement.contiguous(num_experts, world_size)
@@ -57,7 +75,8 @@ def resolve_placement(placement: PlacementLike, num_experts: int, world_size: in
 def make_dispatcher(config: MoEConfig, *, group: dist.ProcessGroup, mode: str = "all_to_all",
                     placement: PlacementLike = None, static_tokens: int | None = None,
                     timeout_s: float | None = None, reduce_dtype: torch.dtype | str | None = None,
-                    check_inputs: bool | None = None) -> AllToAllDispatcher | AllReduceDispatcher:
+                    check_inputs: bool | None = None, redundant_experts: int | None = None
+                    ) -> AllToAllDispatcher | AllReduceDispatcher:
     """The expert-parallel Dispatcher of `mode` over `group` (not collective).
 
     static_tokens: all_to_all: the decode mode's token budget Tm (None: dynamic);
@@ -65,8 +84,9 @@ def make_dispatcher(config: MoEConfig, *, group: dist.ProcessGroup, mode: str = 
     reduce_dtype / check_inputs: all_reduce only (see AllReduceDispatcher; None: float32 / True); given with
         mode "all_to_all" they are refused by name rather than ignored. reduce_dtype may be a torch dtype or its
         name ("float32", "bfloat16", "float16").
-    The dispatcher carries `placement`, `rank`, `world_size` and `local_ids` (this rank's
-    experts in local order).
+    redundant_experts: R physical copies beyond one per expert (see `resolve_placement`).
+    The dispatcher carries `placement`, `rank`, `world_size` and `local_ids` (the logical ids
+    of this rank's (physical) experts in local order).
     """
     if mode not in EP_MODES:
         raise ValueError(f"mode={mode!r}: expected one of {EP_MODES}")
@@ -80,7 +100,7 @@ def make_dispatcher(config: MoEConfig, *, group: dist.ProcessGroup, mode: str = 
         raise TypeError(f"check_inputs={check_inputs!r}: expected True or False")
     timeout_s = check_timeout(timeout_s)
     W = group_size(group)
-    p = resolve_placement(placement, config.num_experts, W)
+    p = resolve_placement(placement, config.num_experts, W, redundant_experts)
     if mode == "all_to_all":
         d: AllToAllDispatcher | AllReduceDispatcher = AllToAllDispatcher(
             p, group, timeout_s=timeout_s, static_tokens=static_tokens)
@@ -194,6 +214,7 @@ def check_ep_fingerprint(layer, *, timeout_s: float | None = None) -> None:
         "placement_world_size": w_p,
         "placement_hash": h_p,
         "placement_experts": e_p,
+        "placement_physical": d.placement.num_physical,
     }
     check_same_across_ranks(fields, group=d.group, timeout_s=d.timeout_s if timeout_s is None else timeout_s,
                             what=f"EP layer {layer.layer_idx}")

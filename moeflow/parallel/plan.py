@@ -1,8 +1,18 @@
 """Expert placement and the expert-parallel routing table.
 
 Legend: T tokens on this (source) rank, K picks per token, P = T*K (token, slot) pairs
-(flattened row-major: pair p = t*K + k), E routed experts, Z zero experts, W ranks
-(world size of the expert-parallel group), L experts on one rank.
+(flattened row-major: pair p = t*K + k), E routed (logical) experts, Z zero experts, W ranks
+(world size of the expert-parallel group), L experts on one rank, Q physical experts (E + R
+with R redundant copies), M the most copies one logical expert has.
+
+Redundant experts: a placement may hold Q = E + R physical experts, each a copy of one
+logical expert; a logical expert then has 1 or more copies, on any ranks. The routing table
+maps each (token, logical expert) pair to one copy by `physical_ids`: the j-th pair of
+expert e in (token, slot) order goes to copy (j + copy_offset) % copies(e), so every copy
+gets the same number of rows within one; the all-to-all dispatcher offsets by its rank (the
+remainders land on different copies across ranks), the all-reduce plan by 0 (every rank
+holds the same tokens and must pick the same copy). The rule reads only this rank's routing:
+no collective, no host read.
 
 Nothing here talks to torch.distributed: `ep_plan` is a pure function of one rank's
 routing, and the same code serves the all-to-all dispatcher (`all_to_all.py`), the
@@ -21,7 +31,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["Placement", "contiguous_ranges", "as_placement", "EPPlan", "ep_plan"]
+__all__ = ["EPPlacementError", "Placement", "contiguous_ranges", "as_placement", "EPPlan", "ep_plan", "physical_ids"]
+
+
+class EPPlacementError(ValueError):
+    """A placement of physical (redundant) experts that cannot serve: E + R not a multiple of W for
+    the default layout, a logical expert without a copy, a rank outside the group, a count that
+    does not match the layer."""
 
 
 def _is_int(v: object) -> bool:
@@ -49,18 +65,27 @@ def contiguous_ranges(num_experts: int, world_size: int) -> list[tuple[int, int]
 
 @dataclass(frozen=True, eq=False)
 class Placement:
-    """Which rank owns each routed expert.
+    """Which rank holds each routed expert, and (with redundancy) each expert's copies.
 
-    num_experts:      E.
-    world_size:       W (ranks may own no expert at all).
-    experts_per_rank: rank -> its global expert ids, ascending. Local expert index j on
-                      rank r is `experts_per_rank[r][j]`: the order of
-                      `ExpertWeights.subset(experts_per_rank[r])`.
-    rank_of_E:        int64 [E] (CPU), owner rank of each expert.
-    local_index_E:    int64 [E] (CPU), index of each expert among its owner's experts.
+    num_experts:      E (logical experts, the ids the router picks).
+    world_size:       W (ranks may hold no expert at all).
+    experts_per_rank: rank -> the logical ids of its physical experts, in local order. Local
+                      expert j on rank r is a copy of `experts_per_rank[r][j]`: the order of
+                      `ExpertWeights.subset(experts_per_rank[r])`. Without redundancy the ids
+                      ascend and each expert is on one rank.
+    rank_of_E:        int64 [E] (CPU), the rank of each expert's first copy.
+    local_index_E:    int64 [E] (CPU), that copy's index among its rank's experts.
+    logical_of_Q:     int64 [Q] (CPU), the logical expert of each physical one (Q = E: identity).
+    rank_of_Q:        int64 [Q] (CPU), the rank holding each physical expert.
+    local_index_Q:    int64 [Q] (CPU), its index among that rank's experts.
+    copies_EM:        int64 [E, M] (CPU), the physical ids of each expert's copies, ascending,
+                      padded with the first copy.
+    num_copies_E:     int64 [E] (CPU), copies of each expert (>= 1).
 
-    Build it with `contiguous`, `from_ranges`, `from_map` or `from_rank_experts`
-    (each validates: every expert owned exactly once), or let `as_placement` pick.
+    Build it with `contiguous`, `from_ranges`, `from_map`, `from_rank_experts` (one copy
+    each), `replicated` (the default layout of R redundant copies) or `from_physical` (any
+    physical map); each validates (every expert at least once; without redundancy exactly
+    once). `as_placement` picks among the one-copy forms.
     """
 
     num_experts: int
@@ -69,25 +94,106 @@ class Placement:
     rank_of_E: torch.Tensor = field(repr=False)
     local_index_E: torch.Tensor = field(repr=False)
     _device_cache: dict = field(default_factory=dict, repr=False, compare=False)
+    logical_of_Q: torch.Tensor | None = field(default=None, repr=False)
+    rank_of_Q: torch.Tensor | None = field(default=None, repr=False)
+    local_index_Q: torch.Tensor | None = field(default=None, repr=False)
+    copies_EM: torch.Tensor | None = field(default=None, repr=False)
+    num_copies_E: torch.Tensor | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        if self.logical_of_Q is None:  # built field by field: one copy per expert, physical id = logical id
+            E = self.num_experts
+            set_ = object.__setattr__
+            set_(self, "logical_of_Q", torch.arange(E, dtype=torch.int64))
+            set_(self, "rank_of_Q", self.rank_of_E.clone())
+            set_(self, "local_index_Q", self.local_index_E.clone())
+            set_(self, "copies_EM", torch.arange(E, dtype=torch.int64).view(E, 1))
+            set_(self, "num_copies_E", torch.ones(E, dtype=torch.int64))
 
     # ---- constructors -------------------------------------------------------------
 
     @classmethod
     def _build(cls, num_experts: int, owner: list[int], world_size: int) -> Placement:
+        """One copy of each expert e, on rank owner[e] (physical id = logical id)."""
+        return cls._build_physical(num_experts, list(range(num_experts)), owner, world_size)
+
+    @classmethod
+    def _build_physical(cls, num_experts: int, logical: list[int], ranks: list[int], world_size: int
+                        ) -> Placement:
+        """Physical expert q is a copy of logical[q] on rank ranks[q]; a rank's local order is physical order."""
         per_rank: list[list[int]] = [[] for _ in range(world_size)]
-        for e, r in enumerate(owner):
-            per_rank[r].append(e)
-        local = [0] * num_experts
-        for experts in per_rank:
-            for j, e in enumerate(experts):
-                local[e] = j
+        local_q = [0] * len(logical)
+        for q, r in enumerate(ranks):
+            local_q[q] = len(per_rank[r])
+            per_rank[r].append(logical[q])
+        copies: list[list[int]] = [[] for _ in range(num_experts)]
+        for q, e in enumerate(logical):
+            copies[e].append(q)
+        M = max(len(c) for c in copies)
+        first = [c[0] for c in copies]
         return cls(
             num_experts=num_experts,
             world_size=world_size,
             experts_per_rank=tuple(tuple(x) for x in per_rank),
-            rank_of_E=torch.tensor(owner, dtype=torch.int64),
-            local_index_E=torch.tensor(local, dtype=torch.int64),
+            rank_of_E=torch.tensor([ranks[q] for q in first], dtype=torch.int64),
+            local_index_E=torch.tensor([local_q[q] for q in first], dtype=torch.int64),
+            logical_of_Q=torch.tensor(logical, dtype=torch.int64),
+            rank_of_Q=torch.tensor(ranks, dtype=torch.int64),
+            local_index_Q=torch.tensor(local_q, dtype=torch.int64),
+            copies_EM=torch.tensor([c + [c[0]] * (M - len(c)) for c in copies], dtype=torch.int64),
+            num_copies_E=torch.tensor([len(c) for c in copies], dtype=torch.int64),
         )
+
+    @classmethod
+    def from_physical(cls, logical_of_Q: Sequence[int] | torch.Tensor, rank_of_Q: Sequence[int] | torch.Tensor, *,
+                      world_size: int, num_experts: int | None = None) -> Placement:
+        """Q physical experts: physical q is a copy of logical expert `logical_of_Q[q]`, held by rank
+        `rank_of_Q[q]` (local order on a rank: physical order). E = max logical id + 1 unless given.
+
+        Raises EPPlacementError naming the entry: a logical expert with no copy, an id or a rank
+        out of range, lists of different lengths.
+        """
+        logical = _int_list(logical_of_Q, "logical_of_Q")
+        ranks = _int_list(rank_of_Q, "rank_of_Q")
+        if len(logical) != len(ranks) or not logical:
+            raise EPPlacementError(f"logical_of_Q has {len(logical)} entries and rank_of_Q {len(ranks)}: expected "
+                                   f"the same number (>= 1), one per physical expert")
+        if not _is_int(world_size) or world_size < 1:
+            raise EPPlacementError(f"world_size={world_size!r}: expected an int >= 1")
+        E = max(logical) + 1 if num_experts is None else num_experts
+        if not _is_int(E) or E < 1:
+            raise EPPlacementError(f"num_experts={num_experts!r}: expected an int >= 1")
+        for q, (e, r) in enumerate(zip(logical, ranks)):
+            if not 0 <= e < E:
+                raise EPPlacementError(f"logical_of_Q[{q}]={e}: expected a logical expert in [0, {E})")
+            if not 0 <= r < world_size:
+                raise EPPlacementError(f"rank_of_Q[{q}]={r}: expected a rank in [0, world_size={world_size})")
+        missing = sorted(set(range(E)) - set(logical))
+        if missing:
+            raise EPPlacementError(f"logical_of_Q: expert {missing[0]} has no physical copy (every logical expert "
+                                   f"needs at least one; {len(missing)} missing)")
+        return cls._build_physical(E, logical, ranks, world_size)
+
+    @classmethod
+    def replicated(cls, num_experts: int, world_size: int, redundant_experts: int) -> Placement:
+        """The default layout of R redundant copies: Q = E + R physical experts, physical q a copy of
+        logical q % E, Q / W consecutive physical experts per rank (q on rank q // (Q / W)).
+
+        Raises EPPlacementError when W does not divide E + R (every rank holds the same count).
+        """
+        for name, v, lo in (("num_experts", num_experts, 1), ("world_size", world_size, 1),
+                            ("redundant_experts", redundant_experts, 0)):
+            if not _is_int(v) or v < lo:
+                raise EPPlacementError(f"{name}={v!r}: expected an int >= {lo}")
+        Q = num_experts + redundant_experts
+        if Q % world_size:
+            raise EPPlacementError(
+                f"redundant_experts={redundant_experts}: E + R = {num_experts} + {redundant_experts} = {Q} physical "
+                f"experts do not split evenly over world_size={world_size} ranks; expected E + R a multiple of W "
+                f"(e.g. R = {-num_experts % world_size or world_size}), or pass an explicit placement")
+        per = Q // world_size
+        return cls._build_physical(num_experts, [q % num_experts for q in range(Q)],
+                                   [q // per for q in range(Q)], world_size)
 
     @classmethod
     def contiguous(cls, num_experts: int, world_size: int) -> Placement:
@@ -230,7 +336,7 @@ class Placement:
         ex = self.experts_of(rank)
         if not ex:
             return (0, 0)
-        return (ex[0], ex[-1] + 1) if ex[-1] - ex[0] + 1 == len(ex) else None
+        return (ex[0], ex[0] + len(ex)) if ex == tuple(range(ex[0], ex[0] + len(ex))) else None
 
     @property
     def is_contiguous(self) -> bool:
@@ -246,16 +352,68 @@ class Placement:
             self._device_cache[key] = hit
         return hit
 
+    @property
+    def num_physical(self) -> int:
+        """Q: physical experts over all ranks (E + R)."""
+        return int(self.logical_of_Q.numel())
+
+    @property
+    def num_redundant(self) -> int:
+        """R = Q - E: copies beyond one per logical expert."""
+        return self.num_physical - self.num_experts
+
+    @property
+    def is_redundant(self) -> bool:
+        return self.num_physical != self.num_experts
+
+    @property
+    def is_identity(self) -> bool:
+        """One copy each and physical id = logical id (every one-copy constructor but from_physical)."""
+        hit = self._device_cache.get("identity")
+        if hit is None:
+            hit = self._device_cache["identity"] = not self.is_redundant and bool(
+                torch.equal(self.logical_of_Q, torch.arange(self.num_experts, dtype=torch.int64)))
+        return hit
+
+    def physical_of(self, rank: int) -> tuple[int, ...]:
+        """Physical ids of rank `rank`'s experts, in local order."""
+        self._check_rank(rank)
+        return tuple(int(q) for q in (self.rank_of_Q == rank).nonzero().view(-1).tolist())
+
+    def physical_tensors(self, device: torch.device | str
+                         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(rank_of_Q, local_index_Q, copies_EM, num_copies_E) on `device`, cached (one copy per device)."""
+        key = ("physical", str(torch.device(device)))
+        hit = self._device_cache.get(key)
+        if hit is None:
+            hit = tuple(t.to(device) for t in (self.rank_of_Q, self.local_index_Q, self.copies_EM, self.num_copies_E))
+            self._device_cache[key] = hit
+        return hit
+
     def fingerprint(self) -> tuple[int, ...]:
-        """A short integer summary (E, W, a hash of the owner map) for cross-rank checks."""
+        """A short integer summary (E, W, a hash of the physical map) for cross-rank checks.
+        Without redundancy the hash is the one of the owner map alone."""
         h = 0
         for r in self.rank_of_E.tolist():
             h = (h * 1000003 + r + 1) % (1 << 61)
+        if self.is_redundant:
+            for e, r in zip(self.logical_of_Q.tolist(), self.rank_of_Q.tolist()):
+                h = (h * 1000003 + e * 65536 + r + 7) % (1 << 61)
         return (self.num_experts, self.world_size, h)
 
     def _check_rank(self, rank: int) -> None:
         if not _is_int(rank) or not 0 <= rank < self.world_size:
             raise ValueError(f"rank={rank!r}: expected 0 <= rank < world_size={self.world_size}")
+
+
+def _int_list(v: Sequence[int] | torch.Tensor, name: str) -> list[int]:
+    if isinstance(v, torch.Tensor):
+        if v.dim() != 1 or v.dtype.is_floating_point or v.dtype == torch.bool:
+            raise EPPlacementError(f"{name}: tensor {v.dtype}{tuple(v.shape)}, expected a 1-D integer tensor")
+        return [int(x) for x in v.tolist()]
+    if isinstance(v, (str, bytes)) or not isinstance(v, Sequence) or not all(_is_int(x) for x in v):
+        raise EPPlacementError(f"{name}={v!r}: expected a list (or 1-D tensor) of ints")
+    return list(v)
 
 
 def _check_all_owned(owner: list[int], what: str) -> None:
@@ -312,6 +470,8 @@ class EPPlan:
     send_counts_R:  int64 [W]; pairs per destination (sum = P - zero pairs).
     send_offsets_R: int64 [W]; exclusive prefix sum of send_counts_R.
     world_size, num_experts, top_k: W, E, K.
+    physical_TK:    int64 [T, K]; the physical expert (copy) computing pair (t, k); -1 for
+                    a zero expert. Equals ids_TK where the placement has no redundancy.
     """
 
     dest_rank_TK: torch.Tensor
@@ -324,6 +484,7 @@ class EPPlan:
     world_size: int
     num_experts: int
     top_k: int
+    physical_TK: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -370,6 +531,7 @@ def ep_plan(
     num_experts: int | None = None,
     num_zero_experts: int | None = None,
     validate: bool = True,
+    copy_offset: int = 0,
 ) -> EPPlan:
     """Split one rank's T tokens' picks by destination rank.
 
@@ -384,6 +546,8 @@ def ep_plan(
     num_zero_experts: Z; when given, ids >= E + Z are a ValueError.
     validate:      check ids on the host (one device->host read). The static decode path
                    passes False and must feed valid ids.
+    copy_offset:   with redundant copies, where each expert's round robin over its copies
+                   starts (see `physical_ids`); the all-to-all dispatcher passes its rank.
     """
     placement = as_placement(expert_ranges, num_experts=num_experts)
     if not isinstance(ids_TK, torch.Tensor) or ids_TK.dim() != 2:
@@ -413,11 +577,12 @@ def ep_plan(
                 raise ValueError(
                     f"ids_TK[{t}, {k}]={int(ids[t, k])}: expected < E + Z = {E} + {num_zero_experts}"
                 )
-    rank_of_E, local_index_E = placement.tensors(device)
+    rank_of_Q, local_index_Q, _, _ = placement.physical_tensors(device)
     is_zero = ids >= E
-    safe = ids.clamp(0, E - 1)  # index only; zero pairs are overwritten just below
-    dest = torch.where(is_zero, torch.full_like(ids, -1), rank_of_E[safe])
-    local = torch.where(is_zero, torch.full_like(ids, -1), local_index_E[safe])
+    phys = physical_ids(ids, placement, copy_offset=copy_offset)
+    safe = phys.clamp(min=0)  # index only; zero pairs are overwritten just below
+    dest = torch.where(is_zero, torch.full_like(ids, -1), rank_of_Q[safe])
+    local = torch.where(is_zero, torch.full_like(ids, -1), local_index_Q[safe])
     # Zero-expert pairs sort after every rank (key W); stable sort keeps (token, slot) order
     # inside each destination, which is what makes the receiver's rows come in
     # (source rank, token, slot) order.
@@ -441,4 +606,37 @@ def ep_plan(
         world_size=W,
         num_experts=E,
         top_k=int(K),
+        physical_TK=phys,
     )
+
+
+def physical_ids(ids_TK: torch.Tensor, placement: Placement, *, copy_offset: int = 0) -> torch.Tensor:
+    """The copy that computes each pair: int64 [T, K] physical ids, -1 for a zero expert (id >= E).
+
+    ids_TK: int [T, K] logical ids on any device (valid ids; ids >= E are zero experts).
+    The j-th pair of expert e, counting pairs in (token, slot) order, goes to copy
+    (j + copy_offset) % copies(e) of e (its copies in ascending physical order): each copy
+    gets the same number of this call's rows within one. Device-side (a stable sort and a
+    scatter), no host read; with one copy each a lookup (the logical id itself when the placement
+    numbers physical experts as the logical ones).
+    """
+    E = placement.num_experts
+    ids = ids_TK.to(torch.int64)
+    is_zero = ids >= E
+    if placement.is_identity:
+        return torch.where(is_zero, torch.full_like(ids, -1), ids)
+    _, _, copies_EM, num_copies_E = placement.physical_tensors(ids.device)
+    if not placement.is_redundant:
+        return torch.where(is_zero, torch.full_like(ids, -1), copies_EM[ids.clamp(max=E - 1), 0])
+    key_P = torch.where(is_zero, torch.full_like(ids, E), ids).reshape(-1)
+    n = int(key_P.numel())
+    order = torch.sort(key_P, stable=True).indices
+    counts = torch.zeros(E + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, key_P, torch.ones_like(key_P))
+    starts = torch.cumsum(counts, 0) - counts
+    occ = torch.empty_like(key_P)
+    occ[order] = torch.arange(n, device=ids.device, dtype=torch.int64) - starts[key_P[order]]
+    safe = key_P.clamp(max=E - 1)
+    j = (occ + int(copy_offset)) % num_copies_E[safe]
+    phys = copies_EM[safe, j]
+    return torch.where(is_zero, torch.full_like(ids, -1), phys.view_as(ids))
