@@ -279,20 +279,20 @@ def format_prediction(pred: dict) -> str:
     lines = [
         f"budget          {_human(m['gpu_budget_bytes'])} on {pred['device']} ({pred['device_source']})",
         f"reserve         {_human(m['reserve_bytes'])} (KV cache, activations, workspace: an allowance)",
-        f"GPU resident    {_human(m['gpu_bytes'])}: non-expert {_human(m['non_expert_bytes'])} + "
+        f"GPU at budget   {_human(m['gpu_bytes'])}: non-expert {_human(m['non_expert_bytes'])} + "
         f"{m['slots']} of {mb['num_experts']} experts {_human(m['resident_expert_bytes'])} + reserve",
         f"host offloaded  {_human(m['offloaded_expert_bytes'])}"
         + (f" ({1 - m['resident_fraction']:.1%} of the experts, pinned)" if m["offloaded"] else " (all experts fit)"),
         f"read / token    {_human(f['step_bytes'])} at batch 1 (non-expert read + {mb['moe_layers']} x "
         f"K={mb['top_k']} experts, stored bytes)",
-        f"decode floor    {f['floor_s'] * 1e3:.3f} ms/token ({f['tokens_per_s']:.1f} tokens/s): HBM "
-        f"{f['hbm_s'] * 1e3:.3f} ms at {f['hbm_bytes_per_s'] / 1e12:.2f} TB/s",
+        f"decode floor    {f['floor_s'] * 1e3:.4g} ms/token ({f['tokens_per_s']:.4g} tokens/s): HBM "
+        f"{f['hbm_s'] * 1e3:.4g} ms at {f['hbm_bytes_per_s'] / 1e12:.2f} TB/s",
     ]
     if m["offloaded"]:
-        lines[-1] += (f" + PCIe {f['pcie_s'] * 1e3:.3f} ms for {f['expected_misses']:.2f} expected misses "
+        lines[-1] += (f" + PCIe {f['pcie_s'] * 1e3:.4g} ms for {f['expected_misses']:.2f} expected misses "
                       f"({_human(f['miss_bytes'])}) at {f['pcie_bytes_per_s'] / 1e9:.1f} GB/s")
         lines.append(f"                hit rate assumed = resident fraction {m['resident_fraction']:.3f} "
-                     f"(uniform routing); all resident: {r['floor_s'] * 1e3:.3f} ms/token")
+                     f"(uniform routing); all resident: {r['floor_s'] * 1e3:.4g} ms/token")
     return "\n".join(lines)
 
 
