@@ -182,12 +182,22 @@ def predict_memory(model: ModelBytes, *, gpu_budget_bytes: int,
                             resident_fraction=slots / model.num_experts, offloaded=slots < model.num_experts)
 
 
-def decode_floor(model: ModelBytes, device: DeviceBandwidth, *, resident_fraction: float = 1.0) -> DecodeFloor:
-    """The time per token at batch 1 below which decode cannot go (module doc); resident_fraction: f in [0, 1]."""
+def decode_floor(model: ModelBytes, device: DeviceBandwidth, *, resident_fraction: float = 1.0,
+                 hit_rate: float | None = None) -> DecodeFloor:
+    """The time per token at batch 1 below which decode cannot go (module doc).
+
+    resident_fraction: f in [0, 1], the share of the routed experts on the GPU; the expected hit
+    rate is f unless `hit_rate` (in [0, 1], e.g. one a benchmark measured) is given.
+    """
     f = resident_fraction
     if isinstance(f, bool) or not isinstance(f, (int, float)) or not 0.0 <= f <= 1.0:
         raise ValueError(f"resident_fraction={f!r}: expected a float in [0, 1]")
-    misses = (1.0 - f) * model.moe_layers * model.top_k
+    h = f if hit_rate is None else hit_rate
+    if isinstance(h, bool) or not isinstance(h, (int, float)) or not 0.0 <= h <= 1.0:
+        raise ValueError(f"hit_rate={h!r}: expected None or a float in [0, 1]")
+    if f == 1.0:
+        h = 1.0  # every expert resident: nothing to miss
+    misses = (1.0 - h) * model.moe_layers * model.top_k
     miss_bytes = misses * model.expert_bytes
     hbm_s = model.step_bytes / device.hbm_bytes_per_s
     pcie_s = miss_bytes / device.pcie_bytes_per_s
@@ -195,7 +205,8 @@ def decode_floor(model: ModelBytes, device: DeviceBandwidth, *, resident_fractio
     return DecodeFloor(device=device.name, hbm_bytes_per_s=device.hbm_bytes_per_s,
                        pcie_bytes_per_s=device.pcie_bytes_per_s, step_bytes=model.step_bytes,
                        resident_fraction=float(f), expected_misses=misses, miss_bytes=miss_bytes, hbm_s=hbm_s,
-                       pcie_s=pcie_s, floor_s=floor, tokens_per_s=1.0 / floor)
+                       pcie_s=pcie_s, floor_s=floor, tokens_per_s=1.0 / floor,
+                       **({} if hit_rate is None else {"assumption": f"hit rate {h:g} (given); HBM and PCIe terms add"}))
 
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "kib": 1 << 10, "mib": 1 << 20,

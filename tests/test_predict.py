@@ -171,5 +171,9 @@ def test_parse_bytes_and_bad_input():
     # by hand: 40 + 2 * 2 * 100 = 440 bytes a step; half the experts resident -> 2 misses, 200 bytes
     f = decode_floor(mb, DEVICES["h100"], resident_fraction=0.5)
     assert f.step_bytes == 440 and f.expected_misses == 2.0 and f.miss_bytes == 200.0
+    g = decode_floor(mb, DEVICES["h100"], resident_fraction=0.5, hit_rate=0.75)  # a measured hit rate
+    assert g.expected_misses == 1.0 and g.pcie_s == pytest.approx(100 / DEVICES["h100"].pcie_bytes_per_s)
+    with pytest.raises(ValueError, match="hit_rate=2"):
+        decode_floor(mb, DEVICES["h100"], resident_fraction=0.5, hit_rate=2)
     with pytest.raises(ValueError, match="device='b200'"):
         predict_checkpoint("unused", device="b200")
