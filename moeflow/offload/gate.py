@@ -22,8 +22,8 @@ the critical path, a guess of key k is worth copying when
          a resident expert all the same.
 
 With overlap 0 (every copy fully exposed, a PCIe-bound decode) no guess pays (p <= 1):
-the rule copies nothing, which is the measured fact that plain LRU decodes faster than LRU with
-prefetch on those rows (benchmarks/RESULTS.md, Offload). The overlap of a run is measurable:
+the rule copies nothing, as the GPU rows measured ask: there plain LRU decodes faster than LRU
+with prefetch (benchmarks/RESULTS.md, Offload). The overlap of a run is measurable:
 pinned H2D bandwidth x (resident decode time per layer step) / B (bench_offload.py prints it).
 
 Deterministic (counts only, no clock, no RNG) and O(W) per step; the trace replay runs this
