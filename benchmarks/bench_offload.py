@@ -3,13 +3,18 @@
 Legend: L layers, H hidden, I intermediate per expert, E routed experts per layer,
 K picks per token, S slots (25/50/75% of the L*E experts), W prefetch width.
 
-For each shape x cache size x policy x {no prefetch, prefetch W=K}:
+For each shape x cache size x policy x {no prefetch, prefetch W (--prefetch-width, default K) under each
+--prefetch-rules rule: "always" copies every predicted missing expert, "cost" only those whose expected
+saving pays their bytes (moeflow.offload.gate) at this run's measured overlap}:
     tokens/s of the end-to-end decode loop (T = 1), hit rate, misses per token,
     prefetch precision, the compute stream's wait on copies, and
     roof_frac = floor / time per token, floor = bytes copied per token / pinned H2D
     bandwidth (1 GiB pinned -> device, measured in this run), i.e. how close the loop
     runs to the PCIe bound for the copies it made. A second floor counts demand-miss
     bytes only (`roof_frac_miss`).
+The overlap (OffloadConfig.prefetch_overlap, printed and in every row): expert copies the host link
+completes behind one layer step's compute = pinned H2D bandwidth x (resident ms per token / L) /
+expert bytes, from this run's resident row and PCIe measurement (--prefetch-overlap overrides it).
 For lru and random_oldest also a sync-free row (OffloadConfig.sync_free: no host sync per
 layer step; "sync_free": true): its hit rate and misses are the device's (experts found in
 the device table / staged from host memory), its bytes the staged rows plus the refill's loads.
@@ -28,6 +33,8 @@ Then the torch profiler looks at steady-state steps: CUDA runtime calls that all
 synchronize, synchronous memcpy) are counted per layer step.
 
     python benchmarks/bench_offload.py --out out/bench_offload.json
+    python benchmarks/bench_offload.py --shapes mixtral-8x7b --layers 4 --fractions 0.25 --policies lru predictive \
+        --prefetch-width 2 --cpu-experts off --no-profile --no-graphs --out out/offload_rule.json   # the rule rows
     python benchmarks/bench_offload.py --quick      # small shapes, runs on CPU too
     python benchmarks/bench_offload.py --cpu        # the quick CPU configuration (a few seconds)
 
@@ -187,6 +194,7 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
              "policy": "resident", "prefetch": 0, "tokens_per_s": args.tokens / dt_res,
              "ms_per_token": dt_res / args.tokens * 1e3, "hit_rate": 1.0, "misses_per_token": 0.0}]
     print(f"{shape:>13} resident (all {total} experts on the device): {rows[0]['tokens_per_s']:.2f} tok/s", flush=True)
+    W = K if args.prefetch_width is None else args.prefetch_width
     # one pinned host copy of the experts, shared by every configuration below
     # packed: the sync-free rows' kernel reads an expert as one row of bytes (the other rows read the same views)
     store = ExpertStore.from_weights([m.expert_weights for m in resident], mode="pinned", progress=False,
@@ -198,15 +206,23 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
         for x in xs[: args.warmup]:
             decode(resident, x)
     rt.detach()
+    # the cost rule's overlap: copies of one expert the link completes during one resident layer step
+    overlap = args.prefetch_overlap
+    if overlap is None:
+        overlap = pcie * (dt_res / args.tokens / L) / store.expert_bytes
+    print(f"{shape:>13} prefetch overlap {overlap:.3f} expert copies per layer step "
+          f"({pcie / 1e9:.1f} GB/s x {dt_res / args.tokens / L * 1e3:.3f} ms / {store.expert_bytes / 1e6:.1f} MB)",
+          flush=True)
     del rt
     for frac in (args.fractions if args.main_rows else []):
         slots = max(K, int(round(frac * total)))
         for policy in args.policies:
             # sync-free rows (OffloadConfig.sync_free): no prefetch, no predictor-driven policy
-            variants = [(0, False), (K, False)] + ([(0, True)] if policy in ("lru", "random_oldest") else [])
-            for pf, sync_free in variants:
+            variants = ([(0, False, "cost")] + [(W, False, rule) for rule in args.prefetch_rules]
+                        + ([(0, True, "cost")] if policy in ("lru", "random_oldest") else []))
+            for pf, sync_free, rule in variants:
                 cfg = OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=pf, device=device,
-                                    sync_free=sync_free)
+                                    sync_free=sync_free, prefetch_rule=rule, prefetch_overlap=overlap)
                 t_setup = time.perf_counter()
                 # release=False: the same layers run resident (reference) and offloaded (hooks, then detach)
                 rt = attach_offload(list(resident), cfg, release=False, progress=False, store=store)
@@ -226,6 +242,8 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
                     if device == "cuda":
                         torch.cuda.synchronize()
                     rt.reset_stats()
+                    gate = rt.prefetcher.gate
+                    declined0 = gate.declined if gate is not None else 0
                     t0 = time.perf_counter()
                     for x in xs[args.check + args.warmup :]:
                         decode(off, x)
@@ -246,7 +264,10 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
                     hit_rate, misses = gs.hit_rate, gs.staged
                 row = {
                     "shape": shape, "layers": L, "experts": total, "slots": slots, "cache_frac": frac,
-                    "policy": policy, "prefetch": pf, "sync_free": sync_free, "tokens_per_s": n / dt,
+                    "policy": policy, "prefetch": pf, "sync_free": sync_free,
+                    "prefetch_rule": rule if pf else None, "prefetch_overlap": overlap,
+                    "prefetch_declined_per_token": (gate.declined - declined0) / n if gate is not None else None,
+                    "tokens_per_s": n / dt,
                     "ms_per_token": per_tok * 1e3, "hit_rate": hit_rate, "misses_per_token": misses / n,
                     "prefetch_issued_per_token": st.prefetch_issued / n,
                     "prefetch_precision": st.prefetch_precision,
@@ -263,7 +284,8 @@ def run_shape(shape: str, L: int, args, pcie: float, device: str, dtype) -> list
                 if sync_free and device == "cuda" and args.graphs:
                     row.update(graph_decode_row(off, rt, xs, ref_out, args))
                 rows.append(row)
-                print(f"{shape:>13} S={slots:>4} ({frac:.0%}) {policy:>13} pf={pf}{' sync-free' * sync_free}: "
+                print(f"{shape:>13} S={slots:>4} ({frac:.0%}) {policy:>13} pf={pf}{' ' + rule if pf else ''}"
+                      f"{' sync-free' * sync_free}: "
                       f"{row['tokens_per_s']:7.2f} tok/s "
                       f"hit {row['hit_rate']:.3f} miss/tok {row['misses_per_token']:.2f} "
                       f"roof_frac {row['roof_frac']:.3f} prec {row['prefetch_precision']:.2f}", flush=True)
@@ -431,7 +453,7 @@ def trace_stats_main(args) -> int:
     for slots in args.trace_slots:
         for policy in ("lru", "random_oldest", "predictive", "belady"):
             for pf in ((0,) if policy == "belady" else (0, K, 2 * K)):
-                r = replay(trace, slots, policy, pf)
+                r = replay(trace, slots, policy, pf, prefetch_rule="always")
                 d = r.as_dict()
                 d["cache_frac"] = slots / total
                 rows.append(d)
@@ -467,6 +489,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--layers", type=int, nargs="+", default=[8, 4], help="layers per shape (same order)")
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5, 0.75])
     p.add_argument("--policies", nargs="+", default=["lru", "random_oldest", "predictive"])
+    p.add_argument("--prefetch-width", type=int, default=None, help="W of the prefetch rows (default: K)")
+    p.add_argument("--prefetch-rules", nargs="+", default=["always", "cost"], choices=["always", "cost"],
+                   help="OffloadConfig.prefetch_rule of the prefetch rows")
+    p.add_argument("--prefetch-overlap", type=float, default=None,
+                   help="the cost rule's overlap (default: measured, see the module doc)")
     p.add_argument("--tokens", type=int, default=16)
     p.add_argument("--warmup", type=int, default=8)
     p.add_argument("--check", type=int, default=2, help="tokens compared bitwise with the resident model")
@@ -525,7 +552,8 @@ def main(argv: list[str] | None = None) -> int:
                                                                                          "_host_emptyCache", None)
             if empty_host is not None:
                 empty_host()
-    cols = ["shape", "slots", "cache_frac", "policy", "prefetch", "sync_free", "tokens_per_s", "hit_rate",
+    cols = ["shape", "slots", "cache_frac", "policy", "prefetch", "prefetch_rule", "sync_free", "tokens_per_s",
+            "hit_rate", "GB_copied_per_token",
             "misses_per_token", "prefetch_precision", "wait_ms_per_token", "roof_frac", "roof_frac_miss",
             "graph_tokens_per_s", "graph_hit_rate"]
     print(format_table([r for r in rows if "bench" not in r], cols))

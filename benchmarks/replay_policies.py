@@ -10,11 +10,21 @@ Traces (recorded here, seconds on a CPU):
                     Zipf(1.2) per-layer bias), decoded token by token: mixtral-like (L=8, E=8, K=2),
                     e32k4 (L=8, E=32, K=4), deepseek-like (L=4, E=256, K=8; no groups).
 For each trace and cache size every policy is replayed without prefetch and with prefetch W=K
-(`moeflow.offload.trace.replay`: the live cache's SlotTable), plus Belady (the floor on copies).
-Prefetch rows also give prefetch_bytes (what prefetch copied) and prefetch_saved_bytes (the demand
-copies it saved against the same policy without prefetch).
+copying every predicted missing expert (prefetch_rule "always"; `moeflow.offload.trace.replay`: the
+live cache's SlotTable), plus Belady (the floor on copies). Prefetch rows also give prefetch_bytes
+(what prefetch copied) and prefetch_saved_bytes (the demand copies it saved against the same policy
+without prefetch).
+
+Prefetch rules (rows with "bench": "prefetch_rule"): LRU without prefetch against LRU and
+"predictive" with prefetch W = --rule-width (2: the configuration the README used to recommend),
+rule "always" and the cost rule (moeflow.offload.gate) at each --overlaps value (expert copies per
+layer step hidden behind compute). Per row: bytes copied, hits, and exposed_bytes, the bytes on the
+critical path under that overlap (every demand copy; of each prefetch the part the step's overlap
+does not hide). These are replay byte counts, not GPU tokens/s.
 
     python benchmarks/replay_policies.py --out benchmarks/results/replay_policies.json
+    python benchmarks/replay_policies.py --only-rules --traces synth-mixtral4 synth-mixtral synth-e32k4 \
+        synth-deepseek --fractions 0.25 --out benchmarks/results/replay_prefetch_rule.json
 """
 
 from __future__ import annotations
@@ -33,6 +43,7 @@ from benchmarks.common import STANDARD_SHAPES, env_info  # noqa: E402
 from moeflow.offload.trace import Trace, record_trace, replay  # noqa: E402
 
 SYNTH = {"synth-mixtral": ({"H": 128, "I": 32, "E": 8, "K": 2, "shared": 0}, 8),
+         "synth-mixtral4": ({"H": 128, "I": 32, "E": 8, "K": 2, "shared": 0}, 4),
          "synth-e32k4": ({"H": 128, "I": 32, "E": 32, "K": 4, "shared": 0}, 8),
          "synth-deepseek": ({"H": 128, "I": 16, "E": 256, "K": 8, "shared": 0}, 4)}
 POLICIES = ("lru", "random_oldest", "predictive", "adaptive", "adaptive_long")
@@ -63,11 +74,37 @@ def tiny_trace(data: bytes) -> Trace:
     return rec.trace.as_decode()
 
 
+def rule_rows(name: str, trace: Trace, frac: float, S: int, width: int, overlaps: list[float]) -> list[dict]:
+    """LRU (no prefetch) against prefetch W=width under rule "always" and the cost rule, per overlap."""
+    B = trace.expert_bytes
+    rows = []
+    base = replay(trace, S, "lru")
+    for ov in overlaps:
+        runs = [("lru", 0, "-")] + [(pol, width, rule) for pol in ("lru", "predictive") for rule in ("always", "cost")]
+        for policy, pf, rule in runs:
+            r = base if pf == 0 else replay(trace, S, policy, pf, prefetch_rule=rule, prefetch_overlap=ov)
+            # exposed bytes of no prefetch are its demand bytes at any overlap
+            exposed = r.bytes_copied if pf == 0 else r.exposed_bytes
+            d = dict(r.as_dict(), bench="prefetch_rule", trace=name, cache_frac=frac, overlap=ov,
+                     prefetch_rule=rule, exposed_bytes=exposed, bytes_vs_lru=r.bytes_copied / base.bytes_copied,
+                     exposed_vs_lru=exposed / base.bytes_copied, hits_vs_lru=r.hits / base.hits,
+                     prefetch_bytes=r.prefetch_issued * B)
+            rows.append(d)
+            print(f"{name:<15}{frac:>5.2f}{S:>5} ov={ov:<5g}{policy:<11}W={pf} {rule:<7} hits {r.hits:>7} "
+                  f"copies {r.misses + r.prefetch_issued:>7} (pf {r.prefetch_issued:>6}, used {r.prefetch_used:>6}) "
+                  f"bytes/LRU {d['bytes_vs_lru']:.3f} exposed/LRU {d['exposed_vs_lru']:.3f}", flush=True)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--tokens", type=int, default=2048)
     p.add_argument("--fractions", type=float, nargs="+", default=[0.25, 0.5])
     p.add_argument("--traces", nargs="+", default=["tiny-moe", "tiny-moe-val", *SYNTH])
+    p.add_argument("--overlaps", type=float, nargs="+", default=[0.0, 0.25, 0.5, 1.0, 2.0],
+                   help="prefetch rule rows: expert copies per layer step hidden behind compute")
+    p.add_argument("--rule-width", type=int, default=2, help="prefetch rule rows: the prediction width W")
+    p.add_argument("--only-rules", action="store_true", help="only the prefetch rule rows")
     p.add_argument("--out", default="benchmarks/results/replay_policies.json")
     args = p.parse_args(argv)
     from moeflow.cli_trace import default_text
@@ -83,12 +120,15 @@ def main(argv: list[str] | None = None) -> int:
         K, total = max(trace.top_k), trace.num_layers * min(trace.num_experts)
         for frac in args.fractions:
             S = max(K, round(frac * total))
+            rows += rule_rows(name, trace, frac, S, args.rule_width, args.overlaps)
+            if args.only_rules:
+                continue
             lru = replay(trace, S, "lru").bytes_copied
             bel = replay(trace, S, "belady")
             for policy in (*POLICIES, "belady"):
                 no_pf = None
                 for pf in ((0,) if policy == "belady" else (0, K)):
-                    r = bel if policy == "belady" else replay(trace, S, policy, pf)
+                    r = bel if policy == "belady" else replay(trace, S, policy, pf, prefetch_rule="always")
                     no_pf = r if pf == 0 else no_pf
                     d = dict(r.as_dict(), trace=name, cache_frac=frac, bytes_per_token=r.bytes_copied / r.tokens,
                              bytes_vs_lru=r.bytes_copied / lru, bytes_vs_belady=r.bytes_copied / bel.bytes_copied)

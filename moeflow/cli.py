@@ -51,9 +51,23 @@ def _cmd_demo(args: argparse.Namespace) -> int:
 
 
 def _cmd_info(args: argparse.Namespace) -> int:
-    from .inspect import checkpoint_info, format_info
+    from .inspect import checkpoint_info, format_info, format_prediction, predict_checkpoint
 
+    if args.gpu_budget is not None or args.json:
+        from .predict import parse_bytes
+
+        budget = None if args.gpu_budget is None else parse_bytes(args.gpu_budget, name="--gpu-budget")
+        reserve = None if args.reserve is None else parse_bytes(args.reserve, name="--reserve")
+        pred = predict_checkpoint(args.path, gpu_budget_bytes=budget, device=args.device or "h100",
+                                  reserve_bytes=reserve)
+        if args.json:
+            import json
+
+            print(json.dumps(pred, indent=1))
+            return 0
     print(format_info(checkpoint_info(args.path, slots=args.slots)))
+    if args.gpu_budget is not None:
+        print(format_prediction(pred))
     if args.kernels:
         from .experts.plan_report import checkpoint_plans, device_for_report, format_plans
 
@@ -201,8 +215,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="also print the kernel plan (every kernel, tile and path) per T for one MoE layer")
     i.add_argument("--device", default=None,
                    help="with --kernels: plan for this device (cuda, h100, h200, a100, cpu; default: the GPU here, "
-                        "else h100)")
+                        "else h100); with --gpu-budget: whose HBM / PCIe bandwidth (h100, h200, a100; default h100)")
     i.add_argument("--batch-invariant", action="store_true", help="with --kernels: the batch-invariant mode's plan")
+    i.add_argument("--gpu-budget", default=None,
+                   help="predict GPU memory resident vs offloaded at this budget (e.g. 60GiB; default with --json: "
+                        "the --device's memory) and the decode floor per token")
+    i.add_argument("--reserve", default=None,
+                   help="with --gpu-budget: the KV cache / activation / workspace allowance (default 4GiB)")
+    i.add_argument("--json", action="store_true", help="print the prediction as JSON (moeflow.predict's fields)")
     i.set_defaults(func=_cmd_info)
 
     r = sub.add_parser("route", help="run a checkpoint on a prompt and show which experts each token chose")

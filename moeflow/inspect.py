@@ -94,6 +94,9 @@ class CheckpointInfo:
     active_bytes_per_token: int
     slots: int | None
     quant: str | None = None  # the experts' stored format (config.json quantization_config), None: plain
+    num_experts_total: int = 0  # routed experts of every MoE layer (the most a shared cache holds)
+    embed_bytes: int = 0  # the input embedding table(s) ("embed_tokens" in the name), part of other_bytes
+    lm_head_stored: bool = False  # an output head stored apart from the embedding (untied)
 
     @property
     def total_bytes(self) -> int:
@@ -174,7 +177,8 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
     family = family_of(config)
     routed_by_layer: dict[int, int] = defaultdict(int)
     routed_names: dict[int, dict[str, dict]] = defaultdict(dict)
-    other = 0
+    other = embed = 0
+    lm_head = False
     for header in headers:
         for name, entry in header.items():
             m = _LAYER_RE.search(name)
@@ -184,6 +188,9 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
                 routed_names[int(m.group(1))][name] = entry
             else:
                 other += _tensor_bytes(entry)
+                if "embed_tokens" in name:
+                    embed += _tensor_bytes(entry)
+                lm_head = lm_head or name.startswith("lm_head.")
     moe_layers = tuple(sorted(routed_by_layer))
     if not moe_layers:
         raise ValueError(f"{root}: no routed expert tensors ('.experts.' in the name) found")
@@ -227,7 +234,66 @@ def checkpoint_info(path: str | Path, *, slots: int | None = None) -> Checkpoint
         active_bytes_per_token=other + len(moe_layers) * K * expert_bytes,
         slots=slots,
         quant=_quant_format(text),
+        num_experts_total=all_experts,
+        embed_bytes=embed,
+        lm_head_stored=lm_head,
     )
+
+
+def model_bytes(info: CheckpointInfo):
+    """The checkpoint's moeflow.predict.ModelBytes: its stored byte counts. A decode step reads every
+    non-expert tensor but the input embedding table (one row of it), unless no output head is
+    stored apart from it (tied: the table is the head, read whole)."""
+    from .predict import ModelBytes
+
+    decode_other = info.other_bytes - info.embed_bytes if info.lm_head_stored else info.other_bytes
+    return ModelBytes(expert_bytes=info.expert_bytes, num_experts=info.num_experts_total or
+                      info.num_experts * len(info.moe_layers), routed_bytes=info.routed_bytes,
+                      moe_layers=len(info.moe_layers), top_k=info.top_k, non_expert_bytes=info.other_bytes,
+                      decode_non_expert_bytes=decode_other)
+
+
+def predict_checkpoint(path: str | Path, *, gpu_budget_bytes: int | None = None, device: str = "h100",
+                       reserve_bytes: int | None = None) -> dict:
+    """`moeflow info --gpu-budget`'s prediction as a dict: the model's bytes, the memory at the budget
+    (default: the device's memory) and the decode floor per token (moeflow.predict; headers only)."""
+    from .predict import DEFAULT_RESERVE_BYTES, decode_floor, device_bandwidth, predict_memory
+
+    dev = device_bandwidth(device)
+    info = checkpoint_info(path)
+    mb = model_bytes(info)
+    budget = dev.memory_bytes if gpu_budget_bytes is None else gpu_budget_bytes
+    mem = predict_memory(mb, gpu_budget_bytes=budget,
+                         reserve_bytes=DEFAULT_RESERVE_BYTES if reserve_bytes is None else reserve_bytes)
+    floor = decode_floor(mb, dev, resident_fraction=mem.resident_fraction)
+    resident = decode_floor(mb, dev) if mem.offloaded else floor
+    return {"checkpoint": str(path), "family": info.family, "quant": info.quant, "device": dev.name,
+            "device_source": dev.source, "model": dict(mb.__dict__, step_bytes=mb.step_bytes),
+            "memory": mem.as_dict(), "decode_floor": floor.as_dict(),
+            "decode_floor_resident": resident.as_dict()}
+
+
+def format_prediction(pred: dict) -> str:
+    """The human-readable lines of `predict_checkpoint`'s dict."""
+    m, f, r, mb = pred["memory"], pred["decode_floor"], pred["decode_floor_resident"], pred["model"]
+    lines = [
+        f"budget          {_human(m['gpu_budget_bytes'])} on {pred['device']} ({pred['device_source']})",
+        f"reserve         {_human(m['reserve_bytes'])} (KV cache, activations, workspace: an allowance)",
+        f"GPU at budget   {_human(m['gpu_bytes'])}: non-expert {_human(m['non_expert_bytes'])} + "
+        f"{m['slots']} of {mb['num_experts']} experts {_human(m['resident_expert_bytes'])} + reserve",
+        f"host offloaded  {_human(m['offloaded_expert_bytes'])}"
+        + (f" ({1 - m['resident_fraction']:.1%} of the experts, pinned)" if m["offloaded"] else " (all experts fit)"),
+        f"read / token    {_human(f['step_bytes'])} at batch 1 (non-expert read + {mb['moe_layers']} x "
+        f"K={mb['top_k']} experts, stored bytes)",
+        f"decode floor    {f['floor_s'] * 1e3:.4g} ms/token ({f['tokens_per_s']:.4g} tokens/s): HBM "
+        f"{f['hbm_s'] * 1e3:.4g} ms at {f['hbm_bytes_per_s'] / 1e12:.2f} TB/s",
+    ]
+    if m["offloaded"]:
+        lines[-1] += (f" + PCIe {f['pcie_s'] * 1e3:.4g} ms for {f['expected_misses']:.2f} expected misses "
+                      f"({_human(f['miss_bytes'])}) at {f['pcie_bytes_per_s'] / 1e9:.1f} GB/s")
+        lines.append(f"                hit rate assumed = resident fraction {m['resident_fraction']:.3f} "
+                     f"(uniform routing); all resident: {r['floor_s'] * 1e3:.4g} ms/token")
+    return "\n".join(lines)
 
 
 def _quant_format(config) -> str | None:

@@ -118,7 +118,9 @@ def _replays(trace, args: argparse.Namespace, slots_list: list[int], predict_wid
         raise ValueError(f"--policy {' '.join(args.policy)} --prefetch {' '.join(map(str, args.prefetch))}: no replay "
                          f"to run (belady never prefetches); expected another policy or --prefetch 0")
     for slots, policy, pf in runs:
-        check_replay(trace, slots, policy, pf, predict_width=predict_width)
+        check_replay(trace, slots, policy, pf, predict_width=predict_width,
+                     prefetch_rule=getattr(args, "prefetch_rule", "cost"),
+                     prefetch_overlap=getattr(args, "prefetch_overlap", 0.0))
     return runs
 
 
@@ -129,7 +131,8 @@ def _cmd_replay(args: argparse.Namespace) -> int:
         check_output_file(args.json, "--json", inputs=[("trace", args.path)], ours=_is_replay_json, force=args.force)
     trace = _load(args)
     runs = _replays(trace, args, args.slots, args.predict_width)
-    rows = [replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width)
+    rows = [replay(trace, slots, policy, pf, seed=args.seed, predict_width=args.predict_width,
+                   prefetch_rule=args.prefetch_rule, prefetch_overlap=args.prefetch_overlap)
             for slots, policy, pf in _progress(runs, total=len(runs), desc="replay", unit="run")]
     # the references of the bytes ratios: plain LRU and Belady (the floor) at each cache size,
     # replayed when not asked for
@@ -339,6 +342,11 @@ def add_trace_parser(sub: argparse._SubParsersAction) -> argparse.ArgumentParser
     r.add_argument("--policy", nargs="+", default=list(REPLAY_POLICIES), choices=REPLAY_POLICIES,
                    help="policies to replay (default: all, Belady included)")
     r.add_argument("--prefetch", type=int, nargs="+", default=[0], help="prefetch widths (0: off)")
+    r.add_argument("--prefetch-rule", default="cost", choices=["cost", "always"],
+                   help="OffloadConfig.prefetch_rule: copy a guess only when it pays its bytes (cost), or every one")
+    r.add_argument("--prefetch-overlap", type=float, default=0.0,
+                   help="OffloadConfig.prefetch_overlap: expert copies per layer step hidden behind compute (0: "
+                        "none, the cost rule then copies no guess)")
     r.add_argument("--seed", type=int, default=0)
     r.add_argument("--predict-width", type=int, default=None,
                    help="predictions per token the predictive/adaptive policies see with prefetch off (default K)")

@@ -442,7 +442,7 @@ def _whole_model_offload(rank, W, family, mode, policy):
     with torch.no_grad():
         want = _generate(model, ids)
         want_logits = model(ids).logits
-    off = OffloadConfig(gpu_slots=2, policy=policy, prefetch_width=2, device="cpu")
+    off = OffloadConfig(gpu_slots=2, policy=policy, prefetch_width=2, prefetch_rule="always", device="cpu")
     report = moeflow.patch_model(model, experts="reference", ep_group=dist.group.WORLD, ep_mode=mode, offload=off,
                                  ep_options={"timeout_s": CASE_TIMEOUT_S})
     assert report.offload and all(b.dispatcher == mode for b in report.blocks), report
@@ -476,7 +476,8 @@ def _layer_chain_offload(rank, W, policy, Ts):
         m.layer_idx = i
     sharded = [shard_layer(m, group=dist.group.WORLD, mode="all_to_all", timeout_s=CASE_TIMEOUT_S)
                for m in ref_layers]
-    rt = attach_offload(sharded, OffloadConfig(gpu_slots=2, policy=policy, prefetch_width=2, device="cpu"),
+    rt = attach_offload(sharded, OffloadConfig(gpu_slots=2, policy=policy, prefetch_width=2,
+                                               prefetch_rule="always", device="cpu"),
                         release=False, progress=False)
     assert rt.store.num_experts == [E // W] * 3
     H = ref_layers[0].config.hidden_size

@@ -79,7 +79,8 @@ def test_always_on_a_cpu_cache_is_bitwise_resident(family, impl):
     # prefetch_width=3 puts some experts in the cache: steps mix cache and CPU experts
     ref, off = _pair(family, impl)
     K = ref[0].config.top_k
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3, device="cpu",
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3,
+                                                 prefetch_rule="always", device="cpu",
                                                  cpu_experts="always"), progress=False)
     seq, prefill = _inputs(1)
     for x in [*seq, prefill]:
@@ -101,7 +102,8 @@ def test_always_runs_the_resident_call_shape(family, slots):
     impl_ref, impl_off = ShapeSensitiveExperts(), ShapeSensitiveExperts()
     for a, b in zip(ref, off):
         a.experts_impl, b.experts_impl = impl_ref, impl_off
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots or max(K, 4), prefetch_width=3, device="cpu",
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots or max(K, 4), prefetch_width=3,
+                                                 prefetch_rule="always", device="cpu",
                                                  cpu_experts="always"), progress=False)
     seq, prefill = _inputs(5, n_decode=4, n_prefill=7)
     for x in [*seq, prefill]:
@@ -117,7 +119,8 @@ def test_always_with_another_cpu_impl_is_within_tolerance(family):
     # accumulation orders differ, the outputs agree within the stated f32 tolerance.
     ref, off = _pair(family, "grouped")
     K = ref[0].config.top_k
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3, device="cpu",
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3,
+                                                 prefetch_rule="always", device="cpu",
                                                  cpu_experts="always"), progress=False)
     rt.cpu_impl = get_impl("reference")
     seq, prefill = _inputs(2)
@@ -161,7 +164,8 @@ def test_always_with_a_fused_token_batch_is_bitwise_resident(family):
     impl = _FusedReference()
     ref, off = _pair(family, impl)
     K = ref[0].config.top_k
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3, device="cpu",
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3,
+                                                 prefetch_rule="always", device="cpu",
                                                  cpu_experts="always"), progress=False)
     seq, prefill = _inputs(3)
     for x in [*seq, prefill]:
@@ -252,7 +256,8 @@ def test_auto_high_measured_reuse_keeps_copying():
 
 def test_counters_reset_and_add_up():
     ref, off = _pair("longcat")
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=4, prefetch_width=2, device="cpu", cpu_experts="always"),
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=4, prefetch_width=2,
+                                                 prefetch_rule="always", device="cpu", cpu_experts="always"),
                         progress=False)
     _decode_then_prefill(off, ref, n=6)
     c = rt.cpu_stats().snapshot()
@@ -317,7 +322,8 @@ def test_cuda_cpu_experts_within_bf16_tolerance(family):
         m.experts_impl = "triton"
     off = copy.deepcopy(ref)
     K = ref[0].config.top_k
-    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3, device="cuda",
+    rt = attach_offload(list(off), OffloadConfig(gpu_slots=max(K, 4), prefetch_width=3,
+                                                 prefetch_rule="always", device="cuda",
                                                  cpu_experts="always"), progress=False)
     seq, prefill = _inputs(2)
     for step, x in enumerate([*seq, prefill]):

@@ -152,6 +152,7 @@ def test_offloaded_output_is_bitwise_resident(family, policy, prefetch):
     slots = max(K, 4)  # 4 of the 32 experts: constant eviction
     gate_up0 = off[0].expert_weights.gate_up  # the tensor the layer held before offloading
     rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=prefetch,
+                                                 prefetch_rule="always",
                                                  device="cpu", oldest_fraction=0.5), progress=False)
     seq, prefill = _inputs(1)
     for x in seq:
@@ -218,6 +219,7 @@ def test_prefetch_hits_a_predictable_next_layer():
         m.expert_weights.down.mul_(1e-3)
     ref = copy.deepcopy(layers)
     rt = attach_offload(list(layers), OffloadConfig(gpu_slots=4, policy="predictive", prefetch_width=2,
+                                                    prefetch_rule="always",
                                                     device="cpu"), progress=False)
     for _ in range(12):
         x = torch.randn(1, H, generator=g)
@@ -255,6 +257,7 @@ def test_offloaded_cuda_is_bitwise_resident_cuda(family, policy, prefetch):
     off = copy.deepcopy(ref)
     slots = max(ref[0].config.top_k, 4)
     rt = attach_offload(list(off), OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=prefetch,
+                                                 prefetch_rule="always",
                                                  device="cuda", oldest_fraction=0.5), progress=False)
     assert rt.store.pinned and rt.cache.device.type == "cuda"
     seq, prefill = _inputs(1)
@@ -283,7 +286,8 @@ def test_patch_model_offload_on_the_tiny_checkpoint_is_bitwise_resident(store):
     res = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     off = AutoModelForCausalLM.from_pretrained(TINY, dtype=torch.float32).eval()
     patch_model(res)
-    cfg = OffloadConfig(gpu_slots=5, policy="predictive", prefetch_width=2, device="cpu", store=store,
+    cfg = OffloadConfig(gpu_slots=5, policy="predictive", prefetch_width=2,
+                        prefetch_rule="always", device="cpu", store=store,
                         checkpoint=str(TINY))
     report = patch_model(off, offload=cfg)
     assert report.offload

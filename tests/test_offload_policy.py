@@ -108,7 +108,7 @@ def test_adaptive_beats_lru_on_a_hot_and_cold_mix():
 @pytest.mark.parametrize("prefetch", [0, 2])
 def test_replay_bytes_add_up(prefetch):
     trace = _hot_cold_trace(200)
-    r = replay(trace, 6, "adaptive", prefetch)
+    r = replay(trace, 6, "adaptive", prefetch, prefetch_rule="always")
     assert r.bytes_copied == (r.misses + r.prefetch_issued) * trace.expert_bytes
     assert r.hits + r.misses == 200 * 2 * 2
     assert r.prefetch_used + r.prefetch_wasted <= r.prefetch_issued
@@ -128,6 +128,7 @@ def _offloaded(policy_name: str, prefetch: int):
 
     listed = policy_name in cfg_mod.POLICIES
     cfg = OffloadConfig(gpu_slots=5, policy=policy_name if listed else "lru", prefetch_width=prefetch,
+                        prefetch_rule="always",
                         device="cpu")
     rt = attach_offload(list(off), cfg, progress=False)
     if not listed:
@@ -166,7 +167,7 @@ def test_replay_of_adaptive_matches_the_live_cache(prefetch):
                 run_model(off, x)
     # replay with the live predictor's width (an "lru" config swapped to adaptive predicts nothing)
     width = None if prefetch else (rt.prefetcher.width if "adaptive" in cfg_mod.POLICIES else 0)
-    r = replay(rec.trace, 5, "adaptive", prefetch, predict_width=width)
+    r = replay(rec.trace, 5, "adaptive", prefetch, predict_width=width, prefetch_rule="always")
     s = rt.stats()
     assert (r.hits, r.misses, r.prefetch_issued, r.prefetch_used, r.prefetch_wasted, r.bytes_copied) == \
            (s.hits, s.misses, s.prefetch_issued, s.prefetch_used, s.prefetch_wasted, s.bytes_copied)
@@ -224,7 +225,7 @@ def test_adaptive_default_prefetch_gate_skips_unreliable_guesses():
         e1 = rng.randrange(8)
         t.steps.append(Step(p, 0, [[rng.randrange(8)]], [[(e1 + 1) % 8]]))  # predicts the wrong expert
         t.steps.append(Step(p, 1, [[e1]]))
-    r = replay(t, 4, "adaptive", 1)
+    r = replay(t, 4, "adaptive", 1, prefetch_rule="always")
     assert r.prefetch_used == 0 and r.prefetch_issued <= 3, r.as_dict()
 
 

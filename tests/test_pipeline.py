@@ -186,7 +186,8 @@ def test_offloaded_model_from_two_threads_is_correct(slots, policy):
     off = _embedded()
     moeflow.patch_model(resident, experts="reference")
     moeflow.patch_model(off, experts="reference",
-                        offload=OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=2, device="cpu"))
+                        offload=OffloadConfig(gpu_slots=slots, policy=policy, prefetch_width=2,
+                                              prefetch_rule="always", device="cpu"))
     prompts = [torch.randint(3, 200, (1, 6 + i % 5), generator=torch.Generator().manual_seed(i)) for i in range(8)]
     with torch.no_grad():
         want = [resident(p).logits for p in prompts]

@@ -77,7 +77,7 @@ def test_replay_prefetch_by_hand():
     #                                                                    order (1,2) (1,0) (0,1)
     #  s3: acquire (1,1) miss -> evicts the LRU, the unused guess (1,2): a wasted prefetch
     # -> hits 1, misses 3, issued 2, used 1, wasted 1, bytes (3 + 2) * 10.
-    r = replay(_prefetch_trace(), 3, "lru", prefetch=1)
+    r = replay(_prefetch_trace(), 3, "lru", prefetch=1, prefetch_rule="always")
     assert (r.hits, r.misses, r.prefetch_issued, r.prefetch_used, r.prefetch_wasted) == (1, 3, 2, 1, 1)
     assert r.bytes_copied == 50
     assert r.prefetch_recall == pytest.approx(1 / 4)  # used / (used + misses)
@@ -150,7 +150,8 @@ def test_replay_of_a_recorded_trace_matches_the_live_cache(policy, prefetch):
     with torch.no_grad():
         ref = _model("deepseek", seed=7)
         off = copy.deepcopy(ref)
-        cfg = OffloadConfig(gpu_slots=5, policy=policy, prefetch_width=prefetch, device="cpu", seed=3,
+        cfg = OffloadConfig(gpu_slots=5, policy=policy, prefetch_width=prefetch,
+                            prefetch_rule="always", device="cpu", seed=3,
                             oldest_fraction=0.5)
         rt = attach_offload(list(off), cfg, progress=False)
         seq, _ = _inputs(4, n_decode=16)
@@ -161,7 +162,7 @@ def test_replay_of_a_recorded_trace_matches_the_live_cache(policy, prefetch):
     assert len(trace.steps) == 16 * 4 and trace.pred_width == 4
     assert all(s.pred is None for s in trace.steps if s.layer == 3)
     assert [s.ids for s in trace.steps[-4:]] == [m.last_routing.ids_TK.tolist() for m in off]
-    r = replay(trace, 5, policy, prefetch, seed=3, oldest_fraction=0.5)
+    r = replay(trace, 5, policy, prefetch, seed=3, oldest_fraction=0.5, prefetch_rule="always")
     s = rt.stats()
     assert (r.hits, r.misses, r.prefetch_issued, r.prefetch_used, r.prefetch_wasted) == \
            (s.hits, s.misses, s.prefetch_issued, s.prefetch_used, s.prefetch_wasted)
@@ -281,7 +282,8 @@ def test_check_replay_bounds_every_argument():
 
 def test_replay_per_pass_bytes_add_up():
     rates, copied = [], []
-    r = replay(_prefetch_trace(), 3, "lru", prefetch=1, per_pass=rates, per_pass_bytes=copied)
+    r = replay(_prefetch_trace(), 3, "lru", prefetch=1, prefetch_rule="always", per_pass=rates,
+               per_pass_bytes=copied)
     assert len(rates) == len(copied) == 2
     assert sum(copied) == r.bytes_copied == 50
 

@@ -1,13 +1,13 @@
 """Expert offloading: host store, device slot cache, eviction policies, next-layer prefetch, traces.
 
     from moeflow.offload import OffloadConfig, attach_offload
-    runtime = attach_offload(moe_layers, OffloadConfig(gpu_slots=16, policy="predictive", prefetch_width=2))
+    runtime = attach_offload(moe_layers, OffloadConfig(gpu_slots=16))   # plain LRU, no prefetch: the fastest measured
     ...
     print(runtime.stats().snapshot())
 
 Modules: config (OffloadConfig), store (ExpertStore), slots (SlotTable, CacheStats: the
 bookkeeping), cache (ExpertCache: the device slots), policy (LRU, RandomOldest, Predictive,
-Belady), prefetch (Prefetcher), attach
+Belady), prefetch (Prefetcher), gate (PrefetchGate: which guesses pay their copy), attach
 (attach_offload, OffloadRuntime, OffloadedExperts: the offload expert source), trace (record /
 replay / stats; the `moeflow trace` command is moeflow.trace_command).
 Names are imported lazily so `import moeflow.offload` stays light.
@@ -25,6 +25,7 @@ _EXPORTS = {
     "SlotTable": "moeflow.offload.slots",
     "CacheStats": "moeflow.offload.slots",
     "Prefetcher": "moeflow.offload.prefetch",
+    "PrefetchGate": "moeflow.offload.gate",
     "attach_offload": "moeflow.offload.attach",
     "OffloadRuntime": "moeflow.offload.attach",
     "OffloadedExperts": "moeflow.offload.attach",

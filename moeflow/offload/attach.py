@@ -15,8 +15,8 @@ Per layer step, `OffloadedExperts.run`:
     3. protects the predicted keys, pins this step's experts and copies the missing
        ones (ExpertCache.ensure: side stream + per-slot events; compute waits only on
        the slots it reads),
-    4. issues the prefetch of the predicted missing experts (side stream, overlapping
-       this layer's compute),
+    4. issues the prefetch of the predicted missing experts the prefetch rule admits (side
+       stream, overlapping this layer's compute; OffloadConfig.prefetch_rule),
     5. maps expert ids to slot ids with a small device lookup table and runs the impl on
        ExpertWeights views of the slot buffers: the same rows in the same order per
        expert as the resident source, so the same bits.
@@ -167,7 +167,8 @@ class OffloadRuntime:
             self.cache = ExpertCache(store, config.gpu_slots, policy, device, measure_wait=config.measure_wait)
         self.device = self.cache.device
         width = config.prediction_width(max(layer.config.top_k for layer in self.layers))
-        self.prefetcher = Prefetcher(self.layers, self.cache, width=width, prefetch=config.prefetch_width > 0)
+        self.prefetcher = Prefetcher(self.layers, self.cache, width=width, prefetch=config.prefetch_width > 0,
+                                     rule=config.prefetch_rule, overlap=config.prefetch_overlap)
         e_max = max(store.num_experts) + max(layer.config.router.num_zero_experts for layer in self.layers)
         pin = self.device.type == "cuda"
         # the expert id -> slot id table: host staging (pinned) + device copy, allocated once
@@ -237,6 +238,7 @@ class OffloadRuntime:
         used = sorted({e for e in ids_host if e < E})
         pred_keys = self.prefetcher.local_keys(pos, pred_host)
         self.prefetcher.protect(pred_keys)
+        self.prefetcher.observe([(pos, e) for e in used])
         self._cpu_stats.demand_keys += len(used)
         if self.config.cpu_experts != "off":
             cpu_set = self._choose_cpu(pos, impl, config, ids_host, used)

@@ -196,9 +196,10 @@ class ExpertCache:
         self.engine.wait(slots.values())
         return slots
 
-    def prefetch(self, keys: Sequence[Key]) -> int:
-        """Start copies of the keys not yet resident (never evicting pinned or protected keys)."""
-        loads = self.table.prefetch(keys)
+    def prefetch(self, keys: Sequence[Key], *, gate=None) -> int:
+        """Start copies of the keys not yet resident (never evicting pinned or protected keys);
+        `gate` (a PrefetchGate, or None: every key) decides which copies pay."""
+        loads = self.table.prefetch(keys, gate=gate)
         for key, slot in loads:
             self.engine.copy(slot, self._pieces(key, slot))
         return len(loads)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from .gate import PREFETCH_RULES
 from .policy import POLICIES, PREDICTIVE_POLICIES  # the registry lives with the policies
 
 STORES: tuple[str, ...] = ("auto", "pinned", "mmap", "model")
@@ -57,7 +58,17 @@ class OffloadConfig:
                     shadow LRU so it follows whichever missed less recently; prefetch only at a
                     rank precision >= 0.95; moeflow.offload.policy).
     prefetch_width: W experts per token predicted for the next layer and copied ahead on a
-                    side stream (0: no prefetch copies). May exceed K.
+                    side stream (0: no prefetch copies). May exceed K. Off by default: on the
+                    measured decode rows plain LRU without prefetch is the fastest (README,
+                    "Offloading experts"; benchmarks/RESULTS.md, Offload).
+    prefetch_rule:  which predicted missing experts are copied: "cost" (one only when its
+                    expected saving pays its bytes: measured precision of the prediction's layer
+                    and rank > the exposed share of its copy + the measured chance that its victim
+                    is needed again; moeflow.offload.gate), "always" (every one, up to W a token).
+    prefetch_overlap: the "cost" rule's expert copies per layer step that the host link completes
+                    behind compute (pinned H2D bandwidth x resident time per layer step / expert
+                    bytes; `python benchmarks/bench_offload.py` prints it). 0: every copy is exposed
+                    and no guess pays its bytes, so the rule copies none.
     predict_width:  experts per token the "predictive" policy protects when prefetch is off
                     (None: prefetch_width if > 0, else the next layer's K).
     device:         device of the slot cache ("cuda", "cuda:1", "cpu"; None: cuda when
@@ -104,6 +115,8 @@ class OffloadConfig:
     gpu_slots: int
     policy: str = "lru"
     prefetch_width: int = 0
+    prefetch_rule: str = "cost"
+    prefetch_overlap: float = 0.0
     predict_width: int | None = None
     device: str | None = None
     store: str = "auto"
@@ -124,6 +137,12 @@ class OffloadConfig:
             raise ValueError(
                 f"OffloadConfig.prefetch_width={self.prefetch_width!r}: expected an int >= 0 (0 turns prefetch off)"
             )
+        if not isinstance(self.prefetch_rule, str) or self.prefetch_rule not in PREFETCH_RULES:
+            raise ValueError(f"OffloadConfig.prefetch_rule={self.prefetch_rule!r}: expected one of {PREFETCH_RULES}")
+        o = self.prefetch_overlap
+        if isinstance(o, bool) or not isinstance(o, (int, float)) or not 0.0 <= o < float("inf"):
+            raise ValueError(f"OffloadConfig.prefetch_overlap={o!r}: expected a finite float >= 0 "
+                             f"(expert copies per layer step hidden behind compute)")
         if self.predict_width is not None and (not _is_int(self.predict_width) or self.predict_width < 1):
             raise ValueError(f"OffloadConfig.predict_width={self.predict_width!r}: expected None or an int >= 1")
         if self.device is not None and not isinstance(self.device, str):

@@ -23,6 +23,7 @@ import torch
 
 from ..routing.predict import predict_next_ids
 from ..routing.router import router_input
+from .gate import PREFETCH_RULES, PrefetchGate
 from .slots import Key
 
 
@@ -33,13 +34,20 @@ class Prefetcher:
     cache:    the ExpertCache (or None: prediction only, e.g. trace recording).
     width:    W experts per token to predict (0: predict nothing).
     prefetch: issue copies of the predicted missing experts (else only protect them).
+    rule:     "cost" (copy a guess only when its expected saving pays its bytes:
+              moeflow.offload.gate.PrefetchGate) or "always" (every predicted missing key).
+    overlap:  the cost rule's expert copies per layer step hidden behind compute.
     """
 
-    def __init__(self, layers: Sequence, cache, *, width: int, prefetch: bool) -> None:
+    def __init__(self, layers: Sequence, cache, *, width: int, prefetch: bool, rule: str = "cost",
+                 overlap: float = 0.0) -> None:
+        if rule not in PREFETCH_RULES:
+            raise ValueError(f"rule={rule!r}: expected one of {PREFETCH_RULES}")
         self.layers = list(layers)
         self.cache = cache
         self.width = int(width)
         self.prefetch_enabled = bool(prefetch) and self.width > 0
+        self.gate = PrefetchGate(overlap=overlap, width=self.width) if self.prefetch_enabled and rule == "cost" else None
         self.issued_last = 0
         # Expert parallelism: layer -> {global expert id: local id} of the experts this rank
         # serves (None: every expert, ids unchanged). A prediction keeps only owned experts.
@@ -90,12 +98,19 @@ class Prefetcher:
         if self.cache is not None:
             self.cache.protect(keys)
 
+    def observe(self, keys: Sequence[Key]) -> None:
+        """A layer step's demand keys, before they are served (the cost rule's estimates learn from them)."""
+        if self.gate is not None:
+            self.gate.observe(keys)
+
     def issue(self, keys: Sequence[Key]) -> int:
-        """Start the copies of the predicted keys not yet resident; returns how many."""
+        """Start the copies of the predicted keys not yet resident (those the rule admits); returns how many."""
         if not self.prefetch_enabled or self.cache is None or not keys:
             self.issued_last = 0
             return 0
-        self.issued_last = self.cache.prefetch(keys)
+        if self.gate is not None:
+            self.gate.predicted(keys)
+        self.issued_last = self.cache.prefetch(keys, gate=self.gate)
         return self.issued_last
 
 

@@ -260,12 +260,13 @@ class SlotTable:
             loads.append((key, slot))
         return slots, loads
 
-    def prefetch(self, keys: Iterable[Key]) -> list[tuple[Key, int]]:
+    def prefetch(self, keys: Iterable[Key], *, gate=None) -> list[tuple[Key, int]]:
         """Plan copies of the not-yet-resident `keys` into free or evictable slots.
 
         Never evicts a pinned slot or a protected key (what the predictor wants); a key
         is skipped when no such slot exists or the policy declines (`admit_prefetch` False,
-        or victim None). Returns [(key, slot)].
+        or victim None), or when `gate` (moeflow.offload.gate.PrefetchGate: `admit(key,
+        evicts=...)`, `evicted(key)`) says the copy does not pay. Returns [(key, slot)].
         """
         loads: list[tuple[Key, int]] = []
         batch = list(dict.fromkeys(keys))
@@ -279,11 +280,15 @@ class SlotTable:
                     continue
                 if self._admit is not None and not self._admit(self, key):
                     continue
+                if gate is not None and not gate.admit(key, evicts=not self.free):
+                    continue
                 slot = self.free.pop() if self.free else self.policy.victim(self, for_prefetch=True)
                 if slot is None:
                     continue
                 if self.pin_epoch[slot] == self.epoch or self.slot_key[slot] in self.protected:
                     raise RuntimeError(f"policy {self.policy.name!r} offered a pinned or protected slot {slot}")
+                if gate is not None and self.slot_key[slot] is not None:
+                    gate.evicted(self.slot_key[slot])
                 self._place(key, slot, guess=True)
                 self.prefetched.add(slot)
                 self.stats.prefetch_issued += 1

@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..paths import check_input_file
+from .gate import PREFETCH_RULES, PrefetchGate
 from .policy import POLICIES, PREDICTIVE_POLICIES, Belady, make_policy
 from .slots import CacheRates, Key, SlotTable
 
@@ -462,6 +463,11 @@ class ReplayResult(CacheRates):
     prefetch_used: int
     prefetch_wasted: int
     bytes_copied: int
+    prefetch_rule: str = "cost"
+    prefetch_overlap: float = 0.0
+    # bytes on the critical path: every demand copy, and of each prefetch the part that the
+    # step's overlap budget (prefetch_overlap expert copies per layer step) does not hide
+    exposed_bytes: int = 0
 
     @property
     def misses_per_token(self) -> float:
@@ -487,7 +493,8 @@ def _pred_keys(step: Step, width: int) -> list[Key]:
 
 
 def check_replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *,
-                 predict_width: int | None = None) -> None:
+                 predict_width: int | None = None, prefetch_rule: str = "cost",
+                 prefetch_overlap: float = 0.0) -> None:
     """ValueError naming the argument when `replay(trace, slots, policy, prefetch, ...)` cannot run.
 
     slots: an int in [K, N] (K: the most picks of a layer's token; N: the trace's routed
@@ -503,6 +510,11 @@ def check_replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 
                          f"{N} slots hold all of the trace's experts)")
     if not _is_int(prefetch) or not 0 <= prefetch <= trace.pred_width:
         raise ValueError(f"prefetch={prefetch!r}: expected 0..{trace.pred_width} (the trace's recorded pred_width)")
+    if prefetch_rule not in PREFETCH_RULES:
+        raise ValueError(f"prefetch_rule={prefetch_rule!r}: expected one of {PREFETCH_RULES}")
+    o = prefetch_overlap
+    if isinstance(o, bool) or not isinstance(o, (int, float)) or not 0.0 <= o < math.inf:
+        raise ValueError(f"prefetch_overlap={o!r}: expected a finite float >= 0 (expert copies per layer step)")
     if predict_width is not None:
         if trace.pred_width == 0:
             raise ValueError(f"predict_width={predict_width!r}: the trace recorded no predictions (pred_width 0)")
@@ -513,8 +525,12 @@ def check_replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 
 
 def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, seed: int = 0,
            oldest_fraction: float = 0.0625, predict_width: int | None = None,
+           prefetch_rule: str = "cost", prefetch_overlap: float = 0.0,
            per_pass: list[float] | None = None, per_pass_bytes: list[int] | None = None) -> ReplayResult:
     """Simulate a cache of `slots` experts with `policy` on `trace`; prefetch = width (0: off).
+
+    prefetch_rule / prefetch_overlap: OffloadConfig's (the "cost" rule is the live
+    PrefetchGate, fed the same steps); the overlap also sets `exposed_bytes`.
 
     per_pass: if a list is given, the hit rate of each forward pass (a decode step, or
     one prefill chunk) is appended to it, in trace order (for `moeflow trace plot`);
@@ -527,7 +543,8 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
     which arguments are refused.
     """
     trace.validate()  # a corrupt step would replay into a plausible, wrong table
-    check_replay(trace, slots, policy, prefetch, predict_width=predict_width)
+    check_replay(trace, slots, policy, prefetch, predict_width=predict_width, prefetch_rule=prefetch_rule,
+                 prefetch_overlap=prefetch_overlap)
     keys_per_step = [_step_keys(s, trace.num_experts[s.layer]) for s in trace.steps]
     if policy == "belady":
         prefetch = 0
@@ -558,6 +575,9 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
     else:
         width = 0
     table = SlotTable(slots, pol, trace.expert_bytes)
+    gate = PrefetchGate(overlap=prefetch_overlap, width=prefetch) if prefetch > 0 and prefetch_rule == "cost" else None
+    B = trace.expert_bytes
+    exposed = 0.0
     marks: list[tuple[int, int, int]] = []
     tokens = 0
     last_pass = None
@@ -569,16 +589,28 @@ def replay(trace: Trace, slots: int, policy: str = "lru", prefetch: int = 0, *, 
             last_pass = step.pass_idx
             _close_pass(per_pass, per_pass_bytes, table.stats, marks)
         table.protected = _pred_keys(step, width)  # best first, as the live Prefetcher gives them
+        if gate is not None:
+            gate.observe(keys)
+        m0 = table.stats.misses
         for g in range(0, max(1, len(keys)), slots):
             table.begin_step()
             table.acquire(keys[g : g + slots])
+        exposed += (table.stats.misses - m0) * B
         if prefetch > 0:
-            table.prefetch(_pred_keys(step, prefetch))
+            pk = _pred_keys(step, prefetch)
+            if gate is not None:
+                gate.predicted(pk)
+            left = prefetch_overlap
+            for _ in table.prefetch(pk, gate=gate):
+                hidden = min(1.0, left)
+                left -= hidden
+                exposed += (1.0 - hidden) * B
     if trace.steps:
         _close_pass(per_pass, per_pass_bytes, table.stats, marks)
     s = table.stats
     return ReplayResult(policy, slots, prefetch, len(trace.steps), tokens, s.hits, s.misses, s.prefetch_issued,
-                        s.prefetch_used, s.prefetch_wasted, s.bytes_copied)
+                        s.prefetch_used, s.prefetch_wasted, s.bytes_copied, prefetch_rule if prefetch else "-",
+                        float(prefetch_overlap), int(round(exposed)))
 
 
 def _close_pass(per_pass: list[float] | None, per_pass_bytes: list[int] | None, stats,
