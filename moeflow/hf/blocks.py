@@ -181,13 +181,7 @@ class _Gemma4Router(MoEBlock):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         state = self.__dict__["_moeflow"]
         x_TH = _flat(hidden_states)
-        if torch.compiler.is_compiling():
-            if state.expert_parallel:
-                # The EP step routes inside the experts' collective call on the router's input,
-                # which only a Python stash between the two modules carries.
-                raise op.CompiledStepError(
-                    f"{state.path} (layer {state.layer.layer_idx}): gemma4 with expert parallelism does not run "
-                    f"under torch.compile; run it eagerly")
+        if torch.compiler.is_compiling():  # (with expert parallelism the op refuses: moeflow.hf.op)
             weights_TK, ids_TK = op.moe_route(x_TH, state.op_id)
             routing = RoutingResult(ids_TK, weights_TK)
         else:
@@ -208,13 +202,13 @@ class _Gemma4Experts(MoEBlock):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         state = self.__dict__["_moeflow"]
+        if torch.compiler.is_compiling():
+            return op.moe_experts(hidden_states, top_k_index, top_k_weights, state.op_id)
         if state.expert_parallel:  # expert parallel: one collective call, routing inside
             residual, state.stash = state.stash, None
             if residual is None:
                 raise ValueError(f"{state.path}: gemma4 experts called without its patched router first")
             return state.layer(hidden_states, router_input=residual)
-        if torch.compiler.is_compiling():
-            return op.moe_experts(hidden_states, top_k_index, top_k_weights, state.op_id)
         return state.layer.experts_forward(hidden_states, RoutingResult(top_k_index, top_k_weights))
 
 

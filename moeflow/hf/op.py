@@ -16,7 +16,9 @@ directly (no dispatcher round trip: the eager host time stays what it was).
     moeflow::moe_experts(x_TH, ids_TK, weights_TK, block) -> out_TH  gemma4's experts (given routing)
 
 gemma4 is two ops per block because transformers' decoder layer runs a norm between its
-router and its experts; every other family is one.
+router and its experts; every other family is one. gemma4 with expert parallelism raises
+CompiledStepError at its first compiled step (its EP step needs the router's input inside the
+experts' collective call, which only Python between the two modules can carry).
 
 Why an int `block` and a registry: an op's arguments are tensors and scalars, not modules.
 Each patched block's state gets a process-unique int at patch time (`register`); the op looks
@@ -116,6 +118,11 @@ def _check_capturable(state: Any) -> None:
 
 
 def _enter(state: Any) -> None:
+    if state.fam.hf.decoder_level and state.expert_parallel:
+        # gemma4's EP step routes inside the experts' collective call, on the router's input that
+        # a Python stash carries between its two modules: no op boundary can pass it.
+        raise CompiledStepError(f"{state.path} (layer {state.layer.layer_idx}): gemma4 with expert parallelism does "
+                                f"not run under torch.compile; run it eagerly")
     _check_capturable(state)
     if state.first_in_model:
         monitor = state.layer.routing_monitor
