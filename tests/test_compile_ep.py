@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -20,17 +19,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from test_ep_dist import _free_port
 
 W = 2
 TIMEOUT_S = 120
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _quiet() -> None:
@@ -41,8 +33,9 @@ def _quiet() -> None:
 
 
 def _compiled_matches_unsharded(rank: int, mode: str) -> None:
-    import moeflow
     from hf_configs import tiny_model
+
+    import moeflow
     from moeflow.testing import assert_close
 
     model = tiny_model("qwen3_moe", seed=11)
@@ -61,8 +54,9 @@ def _compiled_matches_unsharded(rank: int, mode: str) -> None:
 
 
 def _gemma4_refuses(rank: int) -> None:
-    import moeflow
     from hf_configs import available_families, tiny_model
+
+    import moeflow
     from moeflow.hf.op import CompiledStepError
 
     if "gemma4" not in available_families():
