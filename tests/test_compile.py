@@ -194,3 +194,16 @@ def test_op_ids_are_per_block_and_a_copy_gets_its_own():
         assert torch.equal(got, model.model.layers[0].mlp(x))
     with pytest.raises(ValueError, match="block=0 names no live patched block"):
         moe_op.lookup(0)
+
+
+def test_a_block_compiles_alone():
+    """A patched block compiled without its model (no transformers forward sets an output collector)."""
+    torch._dynamo.reset()
+    model = tiny_model("qwen2_moe", seed=10)
+    moeflow.patch_model(model, experts="reference")
+    block = model.model.layers[0].mlp
+    compiled = torch.compile(block, fullgraph=True, backend="aot_eager")
+    x = torch.randn(2, 5, 32, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(compiled(x), block(x))
+    torch._dynamo.reset()

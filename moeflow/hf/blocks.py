@@ -37,6 +37,10 @@ def _router_logits_requested() -> bool:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # older/newer transformers without the recorder: nothing to feed
         return False
+    if torch.compiler.is_compiling() and not getattr(_active_collector, "compiling", False):
+        # Traced with no transformers forward around it (a block compiled alone): no collector was
+        # set, and a plain ContextVar.get would break the graph.
+        return False
     collected = _active_collector.get()
     return collected is not None and "router_logits" in collected
 
