@@ -30,6 +30,11 @@ cudagraph trees record around the call replays the kernels the real implementati
 The registry holds weak references: a dropped model's blocks leave it. A copied block state
 (copy.deepcopy, pickle) registers under a new id, so a copy never runs the original's layer.
 
+The layer's own per-T CUDA graphs (`layer_graphs`, moeflow.layer_graphs) are not used inside
+the op: under torch.compile the CUDA graphs are torch.compile's (mode="reduce-overhead"), and a
+capture of the layer's own during cudagraph trees' warm-up run would nest two graph mechanisms
+over one memory pool.
+
 Honest about effects: the ops mutate none of their tensor arguments (`mutates_args=()`) and
 return fresh tensors (never an argument or a buffer kept across calls). They read the layer's
 weights, which are not arguments (inference: they do not change inside a compiled graph), and
@@ -153,7 +158,7 @@ def moe_block(x: torch.Tensor, input_ids: torch.Tensor | None, block: int) -> to
     (DeepSeek-V4 hash layers) or None."""
     state = lookup(block)
     _enter(state)
-    out = state.layer(x) if input_ids is None else state.layer(x, input_ids=input_ids)
+    out = state.layer(x, input_ids=input_ids, use_graphs=False)
     _leave(state)
     return _fresh(out, (x, input_ids))
 
@@ -168,7 +173,7 @@ def moe_block_scores(x_TH: torch.Tensor, block: int) -> tuple[torch.Tensor, torc
     """gpt-oss: (out_TH [T, H], the routing weights [T, K] in x's dtype); x_TH [T, H]."""
     state = lookup(block)
     _enter(state)
-    out = state.layer(x_TH)
+    out = state.layer(x_TH, use_graphs=False)
     weights = state.layer.last_routing.weights_TK.to(x_TH.dtype)
     _leave(state)
     return _fresh(out, (x_TH,)), weights.clone()
