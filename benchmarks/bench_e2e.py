@@ -147,7 +147,7 @@ UNMATCHED_MAX = 0.02  # fraction of kernel time without a launch event beyond wh
 
 # Rough costs (s) of one point over all variants before any has been measured; replaced by measurements.
 DEFAULT_COST = {"build": 20.0, "prefill": 10.0, "decode": 12.0, "accuracy": 5.0, "profile": 15.0,
-                "decode_syncs": 10.0, "graphs": 120.0, "reference": 10.0, "compiled": 150.0, "fresh_prefill": 20.0}
+                "decode_syncs": 10.0, "graphs": 120.0, "reference": 10.0, "compiled": 60.0, "fresh_prefill": 20.0}
 DEFAULT_TIER1_PER_SHAPE = 75.0
 
 
@@ -896,12 +896,12 @@ def plan_points(args) -> list[tuple[int, str, dict]]:
     pts.append((1, "decode_syncs", {"B": min(Bs)}))
     pts += [(2, "prefill", {"T": t}) for t in Ts if t != t1]
     pts += [(2, "decode", {"B": b}) for b in Bs if b not in b1]
+    if args.compiled:
+        pts += [(3, "compiled", {"B": b}) for b in (b1 + [b for b in Bs if b not in b1])]
     if args.fresh_prefill:
         pts.append((3, "fresh_prefill", {}))
     if args.graphs:
         pts += [(3, "graphs", {"B": b}) for b in (b1 + [b for b in Bs if b not in b1])]
-    if args.compiled:
-        pts += [(3, "compiled", {"B": b}) for b in (b1 + [b for b in Bs if b not in b1])]
     if args.points:
         pts = [p for p in pts if p[1] in args.points_list]
     return pts
