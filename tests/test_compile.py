@@ -207,3 +207,18 @@ def test_a_block_compiles_alone():
     with torch.no_grad():
         assert torch.equal(compiled(x), block(x))
     torch._dynamo.reset()
+
+
+def test_router_logits_are_recorded_under_compile():
+    """output_router_logits=True: the patched blocks feed transformers' recorder inside the compiled graph."""
+    torch._dynamo.reset()
+    model = tiny_model("gpt_oss", seed=11)
+    ids = _ids(7)
+    with torch.no_grad():
+        want = model(ids, output_router_logits=True).router_logits
+        moeflow.patch_model(model, experts="reference")
+        got = torch.compile(model, fullgraph=True, backend="aot_eager")(ids, output_router_logits=True).router_logits
+    assert len(got) == len(want) == 2
+    for i, (g, w) in enumerate(zip(got, want)):
+        _check(g, w, f"router logits of layer {i}")
+    torch._dynamo.reset()
