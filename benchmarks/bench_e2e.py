@@ -74,7 +74,7 @@ Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok
                                   compiled graph (moeflow.hf.op). Per step = (t(N) - t(1)) / (N - 1) after two
                                   warm-up generates (compile, CUDA-graph recording); tokens are compared with
                                   the same variant's eager greedy tokens (the decode point's, same prompt;
-                                  generated here when that point did not run).
+                                  that point runs first here when --points left it out).
                                   Compare with decode_tok_s (eager) and graph_decode_tok_s (StaticDecoder).
     fresh_prefill_tok_s           (--fresh-prefill only) prefill as users send it: --fresh-count prompts of
                                   batch 1, each a length T in --fresh-T (512..8192) seen once (seeded,
@@ -730,6 +730,8 @@ class Shape:
         def gen(n: int):
             return model.generate(input_ids=prompt, attention_mask=mask, generation_config=cfgs[n])
 
+        if (variant, B) not in self.tokens:  # the decode point did not run: its eager rows and tokens now
+            self.decode(variant, B)
         impls = args.compiled_hf_experts_list if variant == "hf" else [None]
         before = getattr(model.config, "_experts_implementation", None)
         kw = dict(batch=B, new_tokens=N, prompt_len=P, mode=args.compile_mode)
@@ -748,12 +750,6 @@ class Shape:
                 self.run.add(**self.base(variant, "compiled_compile_s", value=time.time() - t0, unit="s",
                                          **{"note": "two generates: compile + recording", **row}))
                 eager = self.tokens.get((variant, B))
-                if eager is None:  # the decode point did not run: this variant's eager greedy tokens here
-                    plain = GenerationConfig(do_sample=False, max_new_tokens=N, min_new_tokens=N, pad_token_id=0,
-                                             bos_token_id=1, eos_token_id=2, disable_compile=True)
-                    eager = model.generate(input_ids=prompt, attention_mask=mask,
-                                           generation_config=plain)[:, P:].detach().cpu()
-                    self.tokens[(variant, B)] = eager
                 if eager is not None:
                     same = float((out[:, P:].detach().cpu() == eager).float().mean())
                     self.run.add(**self.base(variant, "compiled_tokens_equal_eager", value=same, unit="fraction",
