@@ -64,6 +64,26 @@ Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok
                                   (t(N) - t(1)) / (N - 1). A refused model (eager attention,
                                   sliding-window cache layers) is recorded as the row's status.
 
+    compiled_decode_tok_s, compiled_tokens_equal_eager, compiled_compile_s
+                                  (--compiled only) transformers' compiled decode path: generate with
+                                  cache_implementation="static" and compile_config=CompileConfig(fullgraph=True,
+                                  mode=--compile-mode, default "reduce-overhead"): transformers compiles the
+                                  decode step (its prefill stays eager). hf runs it once per experts
+                                  implementation of --compiled-hf-experts (row field `experts`; the best of
+                                  them is the row to beat); a patched variant runs its moeflow ops inside the
+                                  compiled graph (moeflow.hf.op). Per step = (t(N) - t(1)) / (N - 1) after two
+                                  warm-up generates (compile, CUDA-graph recording); tokens are compared with
+                                  the same variant's eager greedy tokens (the decode point's, same prompt;
+                                  that point runs first here when --points left it out).
+                                  Compare with decode_tok_s (eager) and graph_decode_tok_s (StaticDecoder).
+    fresh_prefill_tok_s           (--fresh-prefill only) prefill as users send it: --fresh-count prompts of
+                                  batch 1, each a length T in --fresh-T (512..8192) seen once (seeded,
+                                  distinct, none equal to a warm-up length), one forward each (use_cache=False,
+                                  logits_to_keep=1); value = sum T / sum of the forwards' times (each timed
+                                  alone, CUDA-synchronised); detail lists the per-length ms. Two warm-up
+                                  forwards at lengths outside the list compile the kernels first. Layer graphs
+                                  capture a T only at its second sighting, so none replays here.
+
 Order and budget: per shape, tier 1 first (prefill at T = 2048, decode b1 and b16, accuracy logits,
 the profiler split, decode syncs), then tier 2 (the other T and batches), then tier 3 (--graphs).
 A tier-2/3 point starts only if its estimated cost plus a reserve for the tier-1 points of the
@@ -74,6 +94,8 @@ asserts a time.
 
     python3 benchmarks/bench_e2e.py --shapes all --quick                 # first GPU pass (~6 min)
     python3 benchmarks/bench_e2e.py --shapes qwen3-30b-a3b --layers 8 --graphs
+    python3 benchmarks/bench_e2e.py --shapes all --layers 2 --points decode,graphs,compiled,fresh_prefill \
+        --decode-batches 1,16 --variants hf,auto --no-accuracy                # compiled decode, fresh prefill
     python3 benchmarks/bench_e2e.py --tiny                               # GPU smoke run, tiny shapes
     python3 benchmarks/bench_e2e.py --cpu --tiny --out /tmp/e2e.json     # CPU check of the script
 """
@@ -125,7 +147,7 @@ UNMATCHED_MAX = 0.02  # fraction of kernel time without a launch event beyond wh
 
 # Rough costs (s) of one point over all variants before any has been measured; replaced by measurements.
 DEFAULT_COST = {"build": 20.0, "prefill": 10.0, "decode": 12.0, "accuracy": 5.0, "profile": 15.0,
-                "decode_syncs": 10.0, "graphs": 120.0, "reference": 10.0}
+                "decode_syncs": 10.0, "graphs": 120.0, "reference": 10.0, "compiled": 60.0, "fresh_prefill": 20.0}
 DEFAULT_TIER1_PER_SHAPE = 75.0
 
 
@@ -692,6 +714,90 @@ class Shape:
             decs.clear()
             _free(self.run.device)
 
+    def compiled(self, variant: str, B: int) -> None:
+        """transformers' compiled decode path (static cache, compile_config): module docstring."""
+        from transformers import CompileConfig, GenerationConfig
+
+        args = self.run.args
+        N, P = args.new_tokens, args.prompt_len
+        prompt = self.ids(B, P, seed=1000 + B)
+        mask = torch.ones_like(prompt)
+        model = self.model
+        cc = CompileConfig(fullgraph=True, mode=args.compile_mode)
+        cfgs = {n: GenerationConfig(do_sample=False, max_new_tokens=n, min_new_tokens=n, pad_token_id=0, bos_token_id=1,
+                                    eos_token_id=2, cache_implementation="static", compile_config=cc) for n in (N, 1)}
+
+        def gen(n: int):
+            return model.generate(input_ids=prompt, attention_mask=mask, generation_config=cfgs[n])
+
+        if (variant, B) not in self.tokens:  # the decode point did not run: its eager rows and tokens now
+            self.decode(variant, B)
+        impls = args.compiled_hf_experts_list if variant == "hf" else [None]
+        before = getattr(model.config, "_experts_implementation", None)
+        kw = dict(batch=B, new_tokens=N, prompt_len=P, mode=args.compile_mode)
+        if self.run.device.type != "cuda":  # transformers compiles generate's decode step on accelerators only
+            kw["note"] = "CPU: transformers does not compile here; the rows time the eager static-cache path"
+        for impl in impls:
+            row = dict(kw, experts=impl or "moeflow")
+            try:
+                if impl is not None:
+                    model.set_experts_implementation(impl)
+                torch._dynamo.reset()
+                t0 = time.time()
+                out = gen(N)  # compiles the decode step
+                gen(N)  # with reduce-overhead: the CUDA-graph recording
+                self.run.sync()
+                self.run.add(**self.base(variant, "compiled_compile_s", value=time.time() - t0, unit="s",
+                                         **{"note": "two generates: compile + recording", **row}))
+                eager = self.tokens.get((variant, B))
+                if eager is not None:
+                    same = float((out[:, P:].detach().cpu() == eager).float().mean())
+                    self.run.add(**self.base(variant, "compiled_tokens_equal_eager", value=same, unit="fraction",
+                                             **{"note": "vs the decode point's eager greedy tokens", **row}))
+                tN = self.run.timer(lambda: gen(N), warmup=0)
+                t1 = self.run.timer(lambda: gen(1), warmup=1)
+                if tN > t1:
+                    step = (tN - t1) / (N - 1)
+                    self.run.add(**self.base(variant, "compiled_decode_tok_s", value=B / step, unit="tok/s", **row))
+                else:
+                    self.run.add(**self.base(variant, "compiled_decode_tok_s", value=None, **row, status=(
+                        f"n/a: t(N) {tN * 1e3:.2f} ms <= t(1) {t1 * 1e3:.2f} ms")))
+            except Exception as e:
+                self.run.add(**self.base(variant, "compiled_decode_tok_s", value=None, status=_err(e),
+                                         traceback=traceback.format_exc()[-1500:], **row))
+            finally:
+                torch._dynamo.reset()
+                if impl is not None and before is not None:
+                    model.set_experts_implementation(before)
+                _free(self.run.device)
+
+    def fresh_prefill(self, variant: str) -> None:
+        """Every prompt a new length, one forward each (module docstring)."""
+        args = self.run.args
+        lo, hi = args.fresh_T_range
+        warm = (lo - 1, hi + 1) if lo > 1 else (hi + 1, hi + 2)
+        g = torch.Generator().manual_seed(args.seed + 4242)
+        Ts: list[int] = []
+        while len(Ts) < args.fresh_count:  # distinct lengths, the same list for every variant
+            T = int(torch.randint(lo, hi + 1, (1,), generator=g))
+            if T not in Ts and T not in warm:
+                Ts.append(T)
+        model = self.model
+        for T in warm:
+            model(input_ids=self.ids(1, T, seed=T), use_cache=False, logits_to_keep=1)
+        self.run.sync()
+        ms = []
+        for T in Ts:
+            ids = self.ids(1, T, seed=T)
+            self.run.sync()
+            t0 = time.perf_counter()
+            model(input_ids=ids, use_cache=False, logits_to_keep=1)
+            self.run.sync()
+            ms.append((time.perf_counter() - t0) * 1e3)
+        self.run.add(**self.base(variant, "fresh_prefill_tok_s", value=sum(Ts) / (sum(ms) / 1e3), unit="tok/s",
+                                 T_range=[lo, hi], count=len(Ts), detail={"T": Ts, "ms": [round(m, 3) for m in ms]},
+                                 note="each length once, one forward each"))
+
     def accuracy(self, variant: str) -> None:
         ids = self.ids(1, self.run.args.accuracy_T, seed=7)
         logits = self.model(input_ids=ids, use_cache=False).logits
@@ -786,6 +892,10 @@ def plan_points(args) -> list[tuple[int, str, dict]]:
     pts.append((1, "decode_syncs", {"B": min(Bs)}))
     pts += [(2, "prefill", {"T": t}) for t in Ts if t != t1]
     pts += [(2, "decode", {"B": b}) for b in Bs if b not in b1]
+    if args.compiled:
+        pts += [(3, "compiled", {"B": b}) for b in (b1 + [b for b in Bs if b not in b1])]
+    if args.fresh_prefill:
+        pts.append((3, "fresh_prefill", {}))
     if args.graphs:
         pts += [(3, "graphs", {"B": b}) for b in (b1 + [b for b in Bs if b not in b1])]
     if args.points:
@@ -852,7 +962,8 @@ def run_shape(run: Run, name: str, shapes_after: int) -> None:
             except Exception as e:
                 metric = {"prefill": "prefill_tok_s", "decode": "decode_tok_s", "graphs": "graph_decode_tok_s",
                           "accuracy": "logits_rel_l2", "profile": "layer_ms",
-                          "decode_syncs": "syncs_per_decode_token"}[kind]
+                          "decode_syncs": "syncs_per_decode_token", "compiled": "compiled_decode_tok_s",
+                          "fresh_prefill": "fresh_prefill_tok_s"}[kind]
                 run.add(**shape.base(variant, metric, **_named(params), value=None, status=_err(e),
                                      traceback=traceback.format_exc()[-1500:]))
                 if kind == "accuracy":
@@ -1067,8 +1178,18 @@ def parse_args(argv=None):
     ap.add_argument("--accuracy-T", type=int, default=None, help="tokens of the accuracy forward (256)")
     ap.add_argument("--no-accuracy", action="store_true", help="skip the fp32 comparison (then more layers fit)")
     ap.add_argument("--graphs", action="store_true", help="also decode replayed from CUDA graphs (moeflow.hf.StaticDecoder; static cache)")
+    ap.add_argument("--compiled", action="store_true",
+                    help="also decode through transformers' compiled path (static cache + compile_config)")
+    ap.add_argument("--compile-mode", default="reduce-overhead", help="torch.compile mode of --compiled")
+    ap.add_argument("--compiled-hf-experts", default="grouped_mm,batched_mm",
+                    help="transformers experts implementations the hf variant is compiled with (--compiled)")
+    ap.add_argument("--fresh-prefill", action="store_true",
+                    help="also prefill prompts of fresh lengths, one forward each (--fresh-T, --fresh-count)")
+    ap.add_argument("--fresh-T", default=None, help="lo,hi of the fresh lengths (512,8192; tiny 16,128)")
+    ap.add_argument("--fresh-count", type=int, default=8, help="fresh lengths per variant (8)")
     ap.add_argument("--points", default=None,
-                    help="comma list of the point kinds to run (prefill,decode,accuracy,profile,decode_syncs,graphs); "
+                    help="comma list of the point kinds to run (prefill,decode,accuracy,profile,decode_syncs,graphs,"
+                         "compiled,fresh_prefill); "
                          "default: all that the other flags ask for")
     ap.add_argument("--cpu", action="store_true", help="run on the CPU (needs --tiny), fp32")
     ap.add_argument("--tiny", action="store_true", help="tiny configs (hidden 64, 4 experts, 2 layers)")
@@ -1096,13 +1217,23 @@ def parse_args(argv=None):
             ap.error(f"--shapes: {s!r} is not one of {','.join(SHAPE_ORDER)}")
     variants = [v for v in args.variants.split(",") if v]
     args.variants_list = (["hf"] if "hf" in variants else []) + [v for v in variants if v != "hf"]
-    kinds = ("prefill", "decode", "accuracy", "profile", "decode_syncs", "graphs")
+    kinds = ("prefill", "decode", "accuracy", "profile", "decode_syncs", "graphs", "compiled", "fresh_prefill")
     args.points_list = [k for k in (args.points or "").split(",") if k]
     for k in args.points_list:
         if k not in kinds:
             ap.error(f"--points: {k!r} is not one of {','.join(kinds)}")
     if "graphs" in args.points_list:
         args.graphs = True
+    if "compiled" in args.points_list:
+        args.compiled = True
+    if "fresh_prefill" in args.points_list:
+        args.fresh_prefill = True
+    args.compiled_hf_experts_list = [v for v in args.compiled_hf_experts.split(",") if v]
+    args.fresh_T_range = tuple(_ints(args.fresh_T or ("16,128" if tiny else "512,8192")))
+    if len(args.fresh_T_range) != 2 or not 1 <= args.fresh_T_range[0] < args.fresh_T_range[1]:
+        ap.error(f"--fresh-T: {args.fresh_T!r}, expected lo,hi with 1 <= lo < hi")
+    if args.fresh_count < 1 or args.fresh_count > args.fresh_T_range[1] - args.fresh_T_range[0] - 1:
+        ap.error(f"--fresh-count: {args.fresh_count}, expected 1..{args.fresh_T_range[1] - args.fresh_T_range[0] - 1}")
     if args.new_tokens < 2:
         ap.error("--new-tokens: at least 2 (decode = t(N) - t(1))")
     return args

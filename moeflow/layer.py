@@ -441,6 +441,7 @@ class MoELayer(TensorRefs):
         *,
         input_ids: torch.Tensor | None = None,
         router_input: torch.Tensor | None = None,
+        use_graphs: bool = True,
     ) -> torch.Tensor:
         """The layer's output, same shape and dtype as x.
 
@@ -452,6 +453,9 @@ class MoELayer(TensorRefs):
             router_input: optional [..., H] tensor (T rows) the router sees instead of x;
                 gemma4 routes on the residual stream while its experts see a
                 differently normalised copy of it.
+            use_graphs: False runs the step eagerly even where `graphs` would replay it (the
+                step inside a torch.compile'd graph, moeflow.hf.op: CUDA graphs there are
+                torch.compile's own).
         """
         H = self.config.hidden_size
         if not isinstance(x, torch.Tensor):
@@ -474,7 +478,7 @@ class MoELayer(TensorRefs):
         if input_ids is not None and isinstance(input_ids, torch.Tensor) and input_ids.numel() != T:
             raise ValueError(f"input_ids: {input_ids.numel()} ids, expected one per token (T={T})")
         graphs = self.graphs
-        if graphs is not None and graphs.eligible(self, x_TH, input_ids, router_input):
+        if use_graphs and graphs is not None and graphs.eligible(self, x_TH, input_ids, router_input):
             out_TH = graphs.run(self, x_TH, self._step)
         else:
             out_TH = self._step(x_TH, input_ids=input_ids, r_TH=r_TH)

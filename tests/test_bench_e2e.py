@@ -154,3 +154,26 @@ def test_split_and_sync_count_on_a_synthetic_cuda_trace():
     ev.append({"ph": "X", "cat": "kernel", "name": "big_orphan", "pid": 0, "tid": 7, "ts": 6000, "dur": 100,
                "args": {"correlation": 98}})
     assert "na" in split_from_trace(ev, n_layers=2, cuda=True)
+
+
+def test_fresh_prefill_and_compiled_points_on_cpu(tmp_path):
+    """The fresh-length prefill rows (each length once) and the compiled-decode rows' shape (on CPU transformers
+    does not compile: the rows say so)."""
+    out = tmp_path / "e2e.json"
+    cmd = [sys.executable, "benchmarks/bench_e2e.py", "--cpu", "--tiny", "--shapes", "qwen3-30b-a3b", "--out",
+           str(out), "--points", "decode,compiled,fresh_prefill", "--decode-batches", "1", "--variants", "hf,auto",
+           "--compiled-hf-experts", "grouped_mm", "--fresh-count", "5", "--time-budget-s", "90"]
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    for variant in ("hf", "auto"):
+        fresh = [r for r in rows if r["variant"] == variant and r["metric"] == "fresh_prefill_tok_s"]
+        assert len(fresh) == 1 and fresh[0]["status"] == "ok" and fresh[0]["value"] > 0, fresh
+        Ts = fresh[0]["detail"]["T"]
+        assert len(Ts) == len(set(Ts)) == 5 and all(16 <= T <= 128 for T in Ts), Ts
+        comp = [r for r in rows if r["variant"] == variant and r["metric"] == "compiled_decode_tok_s"]
+        assert len(comp) == 1 and comp[0]["status"] == "ok", comp
+        assert comp[0]["experts"] == ("grouped_mm" if variant == "hf" else "moeflow")
+        assert "CPU" in comp[0]["note"]
+        same = [r for r in rows if r["variant"] == variant and r["metric"] == "compiled_tokens_equal_eager"]
+        assert same and same[0]["value"] == 1.0, same

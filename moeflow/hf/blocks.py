@@ -25,6 +25,7 @@ from torch import nn
 from ..families import Family
 from ..layer import MoELayer
 from ..types import RoutingResult
+from . import op
 from .util import attr_path as _attr
 
 __all__ = ["MoEBlock", "BlockState", "patched_class", "block_kinds"]
@@ -35,6 +36,10 @@ def _router_logits_requested() -> bool:
     try:
         from transformers.utils.output_capturing import _active_collector
     except ImportError:  # older/newer transformers without the recorder: nothing to feed
+        return False
+    if torch.compiler.is_compiling() and not getattr(_active_collector, "compiling", False):
+        # Traced with no transformers forward around it (a block compiled alone): no collector was
+        # set, and a plain ContextVar.get would break the graph.
         return False
     collected = _active_collector.get()
     return collected is not None and "router_logits" in collected
@@ -52,6 +57,16 @@ class BlockState:
         self.hook_handle = None
         self.exposed_by: nn.Module | None = None  # the one module that lists the layer in named_modules
         self.stash: torch.Tensor | None = None  # gemma4 + EP: the router input of this step
+        # Under torch.compile the block's step is a custom op that finds this state by id
+        # (moeflow.hf.op); the first and last blocks of a model poll / flush its routing monitor there.
+        self.op_id = op.register(self)
+        self.first_in_model = False
+        self.last_in_model = False
+
+    def __setstate__(self, d: dict) -> None:
+        # A copy (copy.deepcopy, pickle) gets its own op id: it must never run the original's layer.
+        self.__dict__.update(d)
+        self.op_id = op.register(self)
 
     def resync(self) -> None:
         """Point the MoELayer back at the HF module's current tensors.
@@ -118,6 +133,8 @@ class _TensorBlock(MoEBlock):
         state = self.__dict__["_moeflow"]
         if _router_logits_requested():
             _attr(self, state.fam.hf.router)(_flat(hidden_states))  # its recorder hook captures the logits
+        if torch.compiler.is_compiling():
+            return op.moe_block(hidden_states, None, state.op_id)
         return state.layer(hidden_states)
 
 
@@ -131,6 +148,9 @@ class _DeepseekV4Block(MoEBlock):
             )
         if _router_logits_requested() and not state.layer.config.router.hash_routing:
             self.gate(hidden_states)
+        if torch.compiler.is_compiling():
+            ids = input_ids if state.layer.config.router.hash_routing else None
+            return op.moe_block(hidden_states, ids, state.op_id)
         return state.layer(hidden_states, input_ids=input_ids)
 
 
@@ -139,6 +159,9 @@ class _GptOssBlock(MoEBlock):
         state = self.__dict__["_moeflow"]
         if _router_logits_requested():
             self.router(_flat(hidden_states))
+        if torch.compiler.is_compiling():
+            out_TH, weights_TK = op.moe_block_scores(_flat(hidden_states), state.op_id)
+            return out_TH.view(hidden_states.shape), weights_TK
         out = state.layer(hidden_states)
         # HF returns the softmax over the K picked logits, [T, K], in the activations' dtype.
         return out, state.layer.last_routing.weights_TK.to(hidden_states.dtype)
@@ -151,6 +174,8 @@ class _Llama4Block(MoEBlock):
         # Llama4TextMoe returns [T, H] and the router's raw logits (nn.Linear, x's dtype);
         # calling the router module also feeds its recorder hook when one listens.
         router_logits = F.linear(x_TH, self.router.weight) if not _router_logits_requested() else self.router(x_TH)[1]
+        if torch.compiler.is_compiling():
+            return op.moe_block(x_TH, None, state.op_id), router_logits
         return state.layer(x_TH), router_logits
 
 
@@ -160,9 +185,13 @@ class _Gemma4Router(MoEBlock):
     def forward(self, hidden_states: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
         state = self.__dict__["_moeflow"]
         x_TH = _flat(hidden_states)
-        state.stash = x_TH if state.expert_parallel else None
-        routing = state.layer.route(x_TH)
-        state.layer.last_routing = routing
+        if torch.compiler.is_compiling():  # (with expert parallelism the op refuses: moeflow.hf.op)
+            weights_TK, ids_TK = op.moe_route(x_TH, state.op_id)
+            routing = RoutingResult(ids_TK, weights_TK)
+        else:
+            state.stash = x_TH if state.expert_parallel else None
+            routing = state.layer.route(x_TH)
+            state.layer.last_routing = routing
         probs = None
         if _router_logits_requested():
             # HF's first output (what its recorder keeps): softmax of all E logits, f32.
@@ -177,6 +206,8 @@ class _Gemma4Experts(MoEBlock):
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
         state = self.__dict__["_moeflow"]
+        if torch.compiler.is_compiling():
+            return op.moe_experts(hidden_states, top_k_index, top_k_weights, state.op_id)
         if state.expert_parallel:  # expert parallel: one collective call, routing inside
             residual, state.stash = state.stash, None
             if residual is None:

@@ -382,10 +382,13 @@ def patch_model(
     for layer in layers:
         layer.check_routing = "deferred"
         layer.routing_monitor = monitor
+    # Under torch.compile the hooks are traced as no-ops (their locks and events would break the
+    # graph); the first and last blocks' custom ops poll and flush instead (moeflow.hf.op).
     model.__dict__["_moeflow_routing"] = (
         monitor,
-        model.register_forward_pre_hook(lambda mod, args: monitor.poll()),
-        model.register_forward_hook(lambda mod, args, out: monitor.end_forward()),
+        model.register_forward_pre_hook(lambda mod, args: None if torch.compiler.is_compiling() else monitor.poll()),
+        model.register_forward_hook(
+            lambda mod, args, out: None if torch.compiler.is_compiling() else monitor.end_forward()),
     )
 
     rows = []
@@ -401,6 +404,8 @@ def patch_model(
             module.__class__ = patched_class(kind, type(module))
         state.exposed_by = targets[-1][0]
         state.hook_handle = block.register_load_state_dict_post_hook(lambda mod, incompatible, st=state: st.resync())
+        state.first_in_model = not rows
+        state.last_in_model = len(rows) == len(plans) - 1
         rows.append(PatchedBlock(
             path=path or "<root>", family=fam.name, block_class=block_class,
             layer_idx=layer_idx, num_experts=spec.num_experts, num_zero_experts=spec.num_zero_experts,
