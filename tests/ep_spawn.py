@@ -62,11 +62,18 @@ def spawn_cases(module: str, W: int, *, limit_s: float = 150.0) -> dict[int, dic
     q = ctx.Queue()
     port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, W, port, module, q), daemon=True) for r in range(W)]
+    _CACHE[key] = out = gather_ranks(procs, q, limit_s)
+    return out
+
+
+def gather_ranks(procs: list, q, limit_s: float) -> dict[int, dict[str, str]]:
+    """Start the rank processes, collect each one's (rank, results) from q until all reported or limit_s
+    passed, then join them (killing any left alive). {rank: results} of those that reported."""
     for p in procs:
         p.start()
     out: dict[int, dict[str, str]] = {}
     deadline = time.monotonic() + limit_s
-    while len(out) < W and time.monotonic() < deadline:
+    while len(out) < len(procs) and time.monotonic() < deadline:
         try:
             rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
         except Exception:
@@ -76,7 +83,6 @@ def spawn_cases(module: str, W: int, *, limit_s: float = 150.0) -> dict[int, dic
         p.join(timeout=5)
         if p.is_alive():
             p.kill()
-    _CACHE[key] = out
     return out
 
 

@@ -10,19 +10,12 @@ modules through Python) refuses to compile with CompiledStepError naming the lay
 
 from __future__ import annotations
 
-import datetime
-import os
-import time
-import traceback
-
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
-from test_ep_dist import _free_port
+from ep_spawn import check_case
 
 W = 2
-TIMEOUT_S = 120
 
 
 def _quiet() -> None:
@@ -74,68 +67,20 @@ def _gemma4_refuses(rank: int) -> None:
     torch._dynamo.reset()
 
 
-CASES = {
-    "all_to_all": lambda rank: _compiled_matches_unsharded(rank, "all_to_all"),
-    "all_reduce": lambda rank: _compiled_matches_unsharded(rank, "all_reduce"),
-    "gemma4_refuses": _gemma4_refuses,
-}
-
-
-def _worker(rank: int, port: int, q) -> None:
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        import sys
-
-        sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+def _case(fn):
+    def run(rank: int, W: int) -> None:
         _quiet()
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=W,
-                                timeout=datetime.timedelta(seconds=60))
-        for name, fn in CASES.items():
-            try:
-                fn(rank)
-                results[name] = "ok"
-            except Exception:
-                results[name] = traceback.format_exc()
-    except Exception:
-        results["_setup"] = traceback.format_exc()
-    q.put((rank, results))
-    q.close()
-    q.join_thread()
-    os._exit(0)
+        fn(rank)
+    return run
 
 
-_RESULTS: dict[int, dict[str, str]] = {}
+CASES = [
+    ("all_to_all", _case(lambda rank: _compiled_matches_unsharded(rank, "all_to_all"))),
+    ("all_reduce", _case(lambda rank: _compiled_matches_unsharded(rank, "all_reduce"))),
+    ("gemma4_refuses", _case(_gemma4_refuses)),
+]
 
 
-def _spawn() -> dict[int, dict[str, str]]:
-    if _RESULTS:
-        return _RESULTS
-    ctx = mp.get_context("spawn")
-    q = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_worker, args=(r, port, q), daemon=True) for r in range(W)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    while len(_RESULTS) < W and time.monotonic() < deadline:
-        try:
-            rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:
-            break
-        _RESULTS[rank] = res
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
-    return _RESULTS
-
-
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", [name for name, _ in CASES])
 def test_ep_under_compile(case):
-    res = _spawn()
-    assert len(res) == W, f"only ranks {sorted(res)} of {W} reported (a worker crashed or hung)"
-    for rank in range(W):
-        assert "_setup" not in res[rank], res[rank]["_setup"]
-        got = res[rank].get(case, "missing")
-        assert got == "ok", f"rank {rank}:\n{got}"
+    check_case("test_compile_ep", W, case)

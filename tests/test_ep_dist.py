@@ -23,7 +23,6 @@ from __future__ import annotations
 import datetime
 import os
 import shutil
-import socket
 import tempfile
 import time
 import traceback
@@ -32,6 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ep_spawn import free_port, gather_ranks
 from torch import nn
 
 from moeflow.config import ExpertWeights, MoEConfig
@@ -50,14 +50,6 @@ CASE_TIMEOUT_S = 10.0  # any other collective: fail (not hang) if a peer is lost
 
 def _all_reduce(t: torch.Tensor) -> None:
     collective("test all_reduce(counts)", dist.all_reduce, t, group=dist.group.WORLD, timeout_s=CASE_TIMEOUT_S)
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 class SharedMLP(nn.Module):
@@ -736,24 +728,11 @@ def _spawn(W: int, names: tuple[str, ...] | None = None) -> dict[int, dict[str, 
         return _RESULTS[W]
     ctx = mp.get_context("spawn")
     q, done = ctx.Queue(), ctx.Event()
-    port = _free_port()
+    port = free_port()
     ckpt_dir = tempfile.mkdtemp(prefix=f"moeflow_ep{W}_")
     procs = [ctx.Process(target=_worker, args=(r, W, port, q, done, names, ckpt_dir), daemon=True)
              for r in range(W)]
-    for p in procs:
-        p.start()
-    out: dict[int, dict[str, str]] = {}
-    deadline = time.monotonic() + 150
-    while len(out) < W and time.monotonic() < deadline:
-        try:
-            rank, res = q.get(timeout=max(0.1, deadline - time.monotonic()))
-        except Exception:
-            break
-        out[rank] = res
-    for p in procs:
-        p.join(timeout=5)
-        if p.is_alive():
-            p.kill()
+    out = gather_ranks(procs, q, 150.0)
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     if names is None:
         _RESULTS[W] = out

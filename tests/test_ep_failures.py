@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import datetime
 import os
-import socket
 import time
 import traceback
 
@@ -44,6 +43,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from ep_spawn import free_port
 from torch import nn
 
 TIMEOUT_S = 5.0  # every EP collective's limit: a rank left waiting fails, it does not hang
@@ -55,14 +55,6 @@ SCENARIOS = ("nan_hidden", "block_error", "over_static", "skip_layer")
 STATIC_TOKENS = 12
 H, V, E, K, LAYERS = 16, 29, 4, 2, 3
 SPAWN_S = 90  # start-up allowance of a spawn (importing torch on a loaded 2-core machine), plus 15 s a case
-
-
-def _free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def _cases() -> list[tuple[str, str]]:
@@ -255,7 +247,7 @@ def _spawn(W: int, cases: tuple[tuple[str, str], ...] | None = None) -> tuple[di
         return _RESULTS[(W, cases)]
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    port = _free_port()
+    port = free_port()
     procs = [ctx.Process(target=_worker, args=(r, W, port, q, cases), daemon=True) for r in range(W)]
     for p in procs:
         p.start()

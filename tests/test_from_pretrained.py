@@ -258,7 +258,7 @@ def _ep_worker(rank: int, W: int, port: int, dirs: dict[str, str], out_dir: str)
 
 def test_expert_parallel_two_gloo_ranks(tmp_path):
     import torch.multiprocessing as mp
-    from test_ep_dist import _free_port
+    from ep_spawn import free_port
 
     cases = ["gpt_oss-mxfp4", "deepseek_v3-fp8-per_expert"]
     dirs, want = {}, {}
@@ -269,7 +269,7 @@ def test_expert_parallel_two_gloo_ranks(tmp_path):
         with torch.no_grad():
             want[case] = (full(IDS).logits, full.moeflow_load.expert_bytes)
     ctx = mp.get_context("spawn")
-    port, out_dir = _free_port(), str(tmp_path)
+    port, out_dir = free_port(), str(tmp_path)
     procs = [ctx.Process(target=_ep_worker, args=(r, 2, port, dirs, out_dir), daemon=True) for r in range(2)]
     for p in procs:
         p.start()
