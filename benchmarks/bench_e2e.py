@@ -80,9 +80,11 @@ Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok
                                   batch 1, each a length T in --fresh-T (512..8192) seen once (seeded,
                                   distinct, none equal to a warm-up length), one forward each (use_cache=False,
                                   logits_to_keep=1); value = sum T / sum of the forwards' times (each timed
-                                  alone, CUDA-synchronised); detail lists the per-length ms. Two warm-up
-                                  forwards at lengths outside the list compile the kernels first. Layer graphs
-                                  capture a T only at its second sighting, so none replays here.
+                                  alone, CUDA-synchronised); detail lists the per-length ms. A moeflow
+                                  variant first runs moeflow.warmup up to the largest length (what
+                                  from_pretrained does at load; detail.warmup_s), then every variant runs two
+                                  forwards at lengths outside the list. Layer graphs capture a T only at its
+                                  second sighting, so none replays here.
 
 Order and budget: per shape, tier 1 first (prefill at T = 2048, decode b1 and b16, accuracy logits,
 the profiler split, decode syncs), then tier 2 (the other T and batches), then tier 3 (--graphs).
@@ -783,6 +785,13 @@ class Shape:
             if T not in Ts and T not in warm:
                 Ts.append(T)
         model = self.model
+        warm_s = None
+        if variant not in ("hf", NO_MOE) and self.run.device.type == "cuda":
+            # What from_pretrained does at load: compile the kernels of every token-count bucket
+            # up to the largest length (moeflow.warmup), so that no fresh length waits for Triton.
+            import moeflow
+
+            warm_s = round(moeflow.warmup(model, max_tokens=hi + 2, progress=False).seconds, 2)
         for T in warm:
             model(input_ids=self.ids(1, T, seed=T), use_cache=False, logits_to_keep=1)
         self.run.sync()
@@ -795,8 +804,9 @@ class Shape:
             self.run.sync()
             ms.append((time.perf_counter() - t0) * 1e3)
         self.run.add(**self.base(variant, "fresh_prefill_tok_s", value=sum(Ts) / (sum(ms) / 1e3), unit="tok/s",
-                                 T_range=[lo, hi], count=len(Ts), detail={"T": Ts, "ms": [round(m, 3) for m in ms]},
-                                 note="each length once, one forward each"))
+                                 T_range=[lo, hi], count=len(Ts), detail={"T": Ts, "ms": [round(m, 3) for m in ms],
+                                                                          "warmup_s": warm_s},
+                                 note="each length once, one forward each; moeflow after moeflow.warmup"))
 
     def accuracy(self, variant: str) -> None:
         ids = self.ids(1, self.run.args.accuracy_T, seed=7)

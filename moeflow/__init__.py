@@ -6,6 +6,7 @@ without Triton or transformers loaded):
     RouterSpec, RoutingResult, route, router_logits, predict_next, router_spec_from_hf
     MoEConfig, MoELayer, patch_model, PatchReport
     from_pretrained                          (a checkpoint -> a patched model, experts as stored)
+    warmup                                   (compile the kernels for every token count up front)
     KernelOptions, KernelPlan, plan_step     (which kernel runs, and what a caller may choose)
     OffloadConfig
 
@@ -49,6 +50,7 @@ _EXPORTS: dict[str, str] = {
     "plan_step": "moeflow.experts.plan",
     "OffloadConfig": "moeflow.offload.config",
     "from_pretrained": "moeflow.pretrained",
+    "warmup": "moeflow.warming",
 }
 
 __all__ = sorted(_EXPORTS) + ["__version__"]

@@ -389,8 +389,13 @@ class MoELayer(TensorRefs):
 
         input_ids: int, T ids in any shape; needed by hash layers, ignored otherwise.
         """
+        status_out = None
+        if self.__dict__.get("_in_compiled_step"):
+            kept = self.__dict__.get("_status_rows")
+            if kept is not None and kept.device == x_TH.device and x_TH.shape[0] <= kept.numel():
+                status_out = kept[: x_TH.shape[0]]
         result = run_router(self.router_weights, self.config.router, x_TH, input_ids=input_ids,
-                            layer=self.layer_idx)
+                            layer=self.layer_idx, status_out=status_out)
         # The GPU selection reports NaN logits / bad hash ids through a device status,
         # not a sync. "eager" checks it here (one sync per layer, so a NaN is never a
         # silent pick); "deferred" hands it to the model's RoutingMonitor (one flag per
@@ -516,7 +521,35 @@ class MoELayer(TensorRefs):
     def _apply(self, fn, *args, **kwargs):
         # A layer loaded with local experts only may keep meta placeholders; .to()/.cuda()
         # must leave those alone (they cannot be copied).
-        return super()._apply(lambda t: t if t.is_meta else fn(t), *args, **kwargs)
+        out = super()._apply(lambda t: t if t.is_meta else fn(t), *args, **kwargs)
+        if "_status_rows" in self.__dict__:
+            self.prepare_compiled()  # prepared once (patch_model): again on the layer's new device
+        return out
+
+    # Rows of routing status a compiled step writes into memory the layer keeps (64 KiB a layer):
+    # every decode batch and most prefills; a longer step under torch.compile takes fresh rows.
+    COMPILED_STATUS_ROWS = 16384
+
+    def prepare_compiled(self) -> None:
+        """Allocate now what a step inside torch.compile keeps across calls (moeflow.hf.op).
+
+        On CUDA: the routing status rows (int32 [COMPILED_STATUS_ROWS]) the compiled step's router
+        writes and the model's RoutingMonitor reads after the forward, and the GPU router's
+        per-device buffers. Made here, outside any CUDA-graph memory pool: torch.compile's
+        cudagraph trees (mode="reduce-overhead") refuse a tensor of their pool that outlives a
+        recorded call without being one of its outputs. patch_model and `.to()` call this.
+        """
+        w = self.ref("router_weight")
+        dev = w.device if w is not None else torch.device("cpu")
+        if dev.type != "cuda":
+            self.__dict__["_status_rows"] = None
+            return
+        from .routing.gpu import reserve_device
+
+        reserve_device(dev)
+        kept = self.__dict__.get("_status_rows")
+        if kept is None or kept.device != dev:
+            self.__dict__["_status_rows"] = torch.zeros(self.COMPILED_STATUS_ROWS, dtype=torch.int32, device=dev)
 
     def extra_repr(self) -> str:
         c = self.config

@@ -38,6 +38,7 @@ Legend: E experts, L experts on this rank, H hidden.
 
 from __future__ import annotations
 
+import copy
 import os
 import re
 import sys
@@ -60,14 +61,15 @@ class LoadReport:
         self.expert_bytes = 0  # stored bytes of the routed experts read (this rank's)
         self.dense_bytes = 0  # bytes of everything else as loaded (dequantized dense weights at `dtype`)
         self.offloaded_bytes = 0  # expert bytes placed in host memory
-        self.seconds = 0.0
+        self.seconds = 0.0  # reading, placing and patching (not the warm-up)
         self.patch = None  # moeflow.PatchReport
+        self.warmup = None  # moeflow.warming.WarmupReport (its .seconds: the kernels' compile at load)
 
     def __repr__(self) -> str:
         gib = 2 ** 30
         return (f"LoadReport(format={self.format!r}, experts={self.expert_bytes / gib:.3f} GiB, "
                 f"dense={self.dense_bytes / gib:.3f} GiB, offloaded={self.offloaded_bytes / gib:.3f} GiB, "
-                f"{self.seconds:.1f} s)")
+                f"{self.seconds:.1f} s" + (f", warm-up {self.warmup.seconds:.1f} s" if self.warmup else "") + ")")
 
 
 class _Progress:
@@ -296,6 +298,7 @@ def from_pretrained(
     kernel_options: Any = None,
     layer_graphs: bool | dict[str, Any] = True,
     progress: bool = True,
+    warmup_tokens: int | None = 8192,
     **hf_kwargs: Any,
 ) -> nn.Module:
     """Load a Hugging Face MoE checkpoint with every MoE block on moeflow, experts in their stored format.
@@ -314,6 +317,10 @@ def from_pretrained(
             each rank reads only its experts (ep_options' placement, default equal ranges).
         kernel_options, layer_graphs: as moeflow.patch_model.
         progress: a progress bar over the bytes read (tqdm, else a line per MoE layer on stderr).
+        warmup_tokens: on CUDA, compile the Triton kernels for every token count up to this many
+            tokens per forward before returning (`moeflow.warmup`): a prompt of a fresh length then
+            never waits for a JIT compile. None or 0: no warm-up (the first forward of each new
+            token-count bucket compiles).
         **hf_kwargs: passed to transformers' `AutoModelForCausalLM.from_config` (e.g.
             attn_implementation="sdpa", trust_remote_code=...).
 
@@ -353,6 +360,9 @@ def from_pretrained(
         raise ValueError(f"ep_mode={ep_mode!r}: expected one of {EP_MODES}")
     if not isinstance(experts, str):
         raise TypeError(f"experts: expected a str such as 'auto', got {type(experts).__name__}")
+    if warmup_tokens is not None and (isinstance(warmup_tokens, bool) or not isinstance(warmup_tokens, int)
+                                      or warmup_tokens < 0):
+        raise ValueError(f"warmup_tokens={warmup_tokens!r}: expected None or an int >= 0")
 
     # ---- 1. headers only
     index = CheckpointIndex(directory)
@@ -392,11 +402,10 @@ def from_pretrained(
     # ---- 2. the skeleton (parameters on meta)
     from transformers import AutoModelForCausalLM
 
-    skel_config = config
+    # A copy: from_config writes the activations' dtype into the config it is given, and the
+    # expert reader below checks unquantized experts against the checkpoint's own dtype.
+    skel_config = copy.deepcopy(config)
     if getattr(config, "quantization_config", None) is not None:
-        import copy
-
-        skel_config = copy.deepcopy(config)
         del skel_config.quantization_config  # transformers would build its own quantized experts
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(skel_config, dtype=act_dtype, **hf_kwargs)
@@ -474,6 +483,10 @@ def from_pretrained(
                                ep_options=ep_options if ep_group is not None else None, offload=off,
                                layer_graphs=layer_graphs, kernel_options=kernel_options, expert_weights=given)
     report.seconds = time.perf_counter() - t0
+    if warmup_tokens and dev.type == "cuda":
+        from .warming import warmup
+
+        report.warmup = warmup(model, max_tokens=warmup_tokens, progress=progress)
     model.__dict__["moeflow_load"] = report
     return model
 

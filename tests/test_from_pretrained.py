@@ -147,6 +147,20 @@ def test_offload_keeps_stored_format_and_logits(tmp_path, case):
     assert torch.equal(_greedy(off), _greedy(resident))
 
 
+def test_dtype_other_than_stored_casts_unquantized_experts(tmp_path):
+    """dtype=float32 on a bf16 checkpoint (as transformers' from_pretrained casts): plain experts are
+    cast to the activations' dtype, and the logits are the bf16 model's to bf16 rounding."""
+    d, *_ = _write(tmp_path, "mixtral-bf16")
+    stored = moeflow.from_pretrained(d, device="cpu", progress=False)
+    wide = moeflow.from_pretrained(d, device="cpu", dtype=torch.float32, progress=False)
+    for layer in moe_layers(wide):
+        assert layer.expert_weights.gate_up.dtype == torch.float32
+    with torch.no_grad():
+        a, b = wide(IDS).logits, stored(IDS).logits
+    assert a.dtype == torch.float32
+    assert_close(a, b.float(), **TOL_BF16, what="f32 load vs bf16 load logits")
+
+
 # ------------------------------------------------------------------------------ bad input is named
 
 

@@ -38,7 +38,7 @@ over one memory pool.
 Honest about effects: the ops mutate none of their tensor arguments (`mutates_args=()`) and
 return fresh tensors (never an argument or a buffer kept across calls). They read the layer's
 weights, which are not arguments (inference: they do not change inside a compiled graph), and
-they do host bookkeeping the graph never sees: `last_routing`, the routing monitor, an
+they do bookkeeping the graph never sees: the routing status rows and the routing monitor, an
 offload cache's refills, an expert-parallel step's collectives. Under torch.compile's default
 mode all of that runs inside the op, as it does eagerly. Inside a CUDA graph that torch.compile
 records (mode="reduce-overhead") the Python of a step runs once, at the recording, so a layer
@@ -49,9 +49,18 @@ reason, never replays stale state.
 Routing status: on CPU a NaN logit or a bad hash id raises the named ValueError (layer, row)
 from inside the op. On CUDA the status goes to the model's RoutingMonitor as in eager; the
 model's forward hooks that poll and flush it are not traced (they would break the graph), so
-the ops do it: the first patched block's op polls (no sync) and the last one flushes the
-forward's flag. Inside a recorded CUDA graph nothing is flushed: `moeflow.hf.check_routing(model)`
-checks the replays' statuses (as after StaticDecoder replays).
+the ops do it: the first patched block's op checks the previous forward's flag and the last
+one flushes this forward's. The router writes a compiled step's status into rows the layer
+keeps (`MoELayer.prepare_compiled`, made at patch time outside any CUDA-graph pool), so the
+monitor may hold them past the call. Inside a recorded CUDA graph nothing is flushed:
+`moeflow.hf.check_routing(model)` checks the latest replay's statuses (as after StaticDecoder
+replays).
+
+Memory under mode="reduce-overhead": torch.compile's cudagraph trees allocate everything a
+recorded call makes from their pool and refuse a pool tensor that outlives the call without
+being an output. So a compiled step leaves none of its tensors behind: the status rows are the
+layer's own, `layer.last_routing` is None after the op (forward hooks on the MoELayer still see
+it during the step), and the GPU router's per-device buffers are made at patch time.
 
 Dynamic T: the fake implementations give shapes in terms of x's (symbolic) shape, so a
 prefill length never specialises the op; dynamo's automatic dynamic shapes recompile once,
@@ -132,7 +141,9 @@ def _enter(state: Any) -> None:
     if state.first_in_model:
         monitor = state.layer.routing_monitor
         if monitor is not None:
-            monitor.poll()  # a finished forward's flag, if it landed (no sync)
+            # The previous forward's flag (a no-op under capture). Waited for, not only polled:
+            # this forward's router rewrites the status rows that flag would name.
+            monitor.poll(wait=True)
 
 
 def _leave(state: Any) -> None:
@@ -140,6 +151,22 @@ def _leave(state: Any) -> None:
         monitor = state.layer.routing_monitor
         if monitor is not None:
             monitor.end_forward()  # this forward's one flag (no sync; nothing under capture)
+
+
+def _run(state: Any, step):
+    """step(layer) inside the op: the status rows the layer keeps (prepare_compiled), and nothing
+    of the step's own tensors left on the layer afterwards (`last_routing` is None): a tensor made
+    inside a CUDA graph that torch.compile records must not outlive the call."""
+    _enter(state)
+    layer = state.layer
+    layer.__dict__["_in_compiled_step"] = True
+    try:
+        result = step(layer)
+    finally:
+        layer.__dict__["_in_compiled_step"] = False
+        layer.__dict__["last_routing"] = None
+    _leave(state)
+    return result
 
 
 def _fresh(t: torch.Tensor, like: tuple[torch.Tensor, ...]) -> torch.Tensor:
@@ -156,10 +183,7 @@ def _fresh(t: torch.Tensor, like: tuple[torch.Tensor, ...]) -> torch.Tensor:
 def moe_block(x: torch.Tensor, input_ids: torch.Tensor | None, block: int) -> torch.Tensor:
     """A patched block's step: out, x's shape and dtype. x: [B, S, H] or [T, H]; input_ids: int, T of them
     (DeepSeek-V4 hash layers) or None."""
-    state = lookup(block)
-    _enter(state)
-    out = state.layer(x, input_ids=input_ids, use_graphs=False)
-    _leave(state)
+    out = _run(lookup(block), lambda layer: layer(x, input_ids=input_ids, use_graphs=False))
     return _fresh(out, (x, input_ids))
 
 
@@ -171,12 +195,12 @@ def _(x: torch.Tensor, input_ids: torch.Tensor | None, block: int) -> torch.Tens
 @torch.library.custom_op("moeflow::moe_block_scores", mutates_args=())
 def moe_block_scores(x_TH: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gpt-oss: (out_TH [T, H], the routing weights [T, K] in x's dtype); x_TH [T, H]."""
-    state = lookup(block)
-    _enter(state)
-    out = state.layer(x_TH, use_graphs=False)
-    weights = state.layer.last_routing.weights_TK.to(x_TH.dtype)
-    _leave(state)
-    return _fresh(out, (x_TH,)), weights.clone()
+    def step(layer):
+        out = layer(x_TH, use_graphs=False)
+        return out, layer.last_routing.weights_TK.to(x_TH.dtype, copy=True)
+
+    out, weights = _run(lookup(block), step)
+    return _fresh(out, (x_TH,)), weights
 
 
 @moe_block_scores.register_fake
@@ -188,11 +212,7 @@ def _(x_TH: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
 @torch.library.custom_op("moeflow::moe_route", mutates_args=())
 def moe_route(x_TH: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """gemma4's router: (weights_TK f32 [T, K], ids_TK int64 [T, K]) for x_TH [T, H]."""
-    state = lookup(block)
-    _enter(state)
-    routing = state.layer.route(x_TH)
-    state.layer.last_routing = routing
-    _leave(state)
+    routing = _run(lookup(block), lambda layer: layer.route(x_TH))
     return routing.weights_TK.to(torch.float32, copy=True), routing.ids_TK.to(torch.int64, copy=True)
 
 
@@ -208,10 +228,7 @@ def moe_experts(x_TH: torch.Tensor, ids_TK: torch.Tensor, weights_TK: torch.Tens
     """gemma4's experts on a given routing: out_TH [T, H] in x's dtype (no shared expert)."""
     from ..types import RoutingResult
 
-    state = lookup(block)
-    _enter(state)
-    out = state.layer.experts_forward(x_TH, RoutingResult(ids_TK, weights_TK))
-    _leave(state)
+    out = _run(lookup(block), lambda layer: layer.experts_forward(x_TH, RoutingResult(ids_TK, weights_TK)))
     return _fresh(out, (x_TH, ids_TK, weights_TK))
 
 

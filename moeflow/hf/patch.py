@@ -382,6 +382,7 @@ def patch_model(
     for layer in layers:
         layer.check_routing = "deferred"
         layer.routing_monitor = monitor
+        layer.prepare_compiled()  # what a step under torch.compile keeps (moeflow.hf.op)
     # Under torch.compile the hooks are traced as no-ops (their locks and events would break the
     # graph); the first and last blocks' custom ops poll and flush instead (moeflow.hf.op).
     model.__dict__["_moeflow_routing"] = (

@@ -469,9 +469,11 @@ def _plan_select(
     input_ids: torch.Tensor | None = None,
     hash_table: torch.Tensor | None = None,
     status_layer: int | None = None,
+    status_out: torch.Tensor | None = None,
 ) -> _SelectPlan:
     """Allocate a selection's outputs (ids int32 [T, K], weights f32 [T, K] or keys int32
-    [T, K, 2], status int32 [T]) and gather its kernel arguments; launches nothing."""
+    [T, K, 2], status int32 [T], or `status_out` where given) and gather its kernel arguments;
+    launches nothing."""
     S = spec.num_slots
     if S > _MAX_SLOTS:
         raise ValueError(f"spec.num_slots={S}: the GPU selection holds a row in registers, at most {_MAX_SLOTS}")
@@ -485,7 +487,7 @@ def _plan_select(
     ids_TK = torch.empty(T, K, dtype=torch.int32, device=dev)
     weights_TK = torch.empty(T, K, dtype=torch.float32, device=dev) if weights else None
     keys_TK2 = torch.empty(T, K, 2, dtype=torch.int32, device=dev) if keys_layer is not None else None
-    status_T = torch.empty(T, dtype=torch.int32, device=dev)
+    status_T = status_out if status_out is not None else torch.empty(T, dtype=torch.int32, device=dev)
     ids_flat = None
     if hash_lookup:
         ids_flat = input_ids.reshape(-1)
@@ -728,6 +730,20 @@ def _tickets(device: torch.device) -> torch.Tensor | None:
     return t
 
 
+def reserve_device(device: torch.device) -> None:
+    """Allocate the per-device buffers the GPU router keeps across calls (the fused step's
+    counters, the dummy pointer argument) now, outside any CUDA-graph memory pool: a first
+    call inside torch.compile's cudagraph warm-up would otherwise take them from the pool,
+    where nothing but a graph's outputs may stay alive."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    _dummy(device)
+    _tickets(device)
+
+
 def _fused_rows(tile: int, T: int, block_m: int) -> int:
     """Rows the fused kernel's last program selects at once: 1 for a single token (the decode
     case, smallest tile), else a [rows, NGP, PP] tile of at most _SELECT_TILE elements and at
@@ -807,6 +823,7 @@ def router_step_cuda(
     next_hash_table: torch.Tensor | None = None,
     config: LogitsConfig | None = None,
     fused: bool | None = None,
+    status_out: torch.Tensor | None = None,
 ) -> RouterStep:
     """The whole router of a layer: logits, selection and (optionally) the next layer's prediction.
 
@@ -816,6 +833,9 @@ def router_step_cuda(
         predict_next_cuda (next_weight_EH of weight_EH's dtype); config as router_logits_cuda.
         fused: None picks the single-kernel step for 1 <= T <= FUSED_MAX_T and the
         two-kernel step above; True / False force one (tests, benchmarks).
+        status_out: int32 [T] on x's device, contiguous: the routing status is written there
+            (every row) instead of into a fresh tensor (a compiled step keeps it across calls
+            in memory that no CUDA-graph pool owns: moeflow.hf.op).
     Returns:
         RouterStep(logits_TS f32 [T, E + Z] (+ router_bias), routing, prediction, fused).
 
@@ -833,6 +853,13 @@ def router_step_cuda(
         raise TypeError(f"fused: {fused!r}, expected None or a bool")
     g = _plan_gemm(x_TH, weight_EH, next_weight_EH, config)
     T, E, F = g.T, g.E, g.F
+    if status_out is not None and (
+        not isinstance(status_out, torch.Tensor) or status_out.dtype != torch.int32
+        or status_out.shape != (T,) or status_out.device != x_TH.device or not status_out.is_contiguous()
+    ):
+        what = (f"{status_out.dtype} {tuple(status_out.shape)} on {status_out.device}"
+                if isinstance(status_out, torch.Tensor) else type(status_out).__name__)
+        raise ValueError(f"status_out: {what}, expected a contiguous int32 [{T}] tensor on {x_TH.device}")
     if E != spec.num_slots:
         raise ValueError(f"weight_EH: {E} rows, expected spec.num_slots={spec.num_slots}")
     logits_like = torch.empty(T, E, dtype=torch.float32, device="meta")  # shape-only validation
@@ -876,6 +903,7 @@ def router_step_cuda(
             dev, T=T, spec=spec, K=spec.top_k, apply_groups=True, mask_zero=False, hash_lookup=spec.hash_routing,
             table_width=spec.top_k, weights=True, keys_layer=None, router_bias=router_bias, logits_out=logits_out,
             bias=bias, expert_scale=expert_scale, input_ids=input_ids, hash_table=hash_table, status_layer=layer,
+            status_out=status_out,
         )
 
     if fused is None:

@@ -118,12 +118,14 @@ def router_input(rw: RouterWeights, x_TH: torch.Tensor) -> torch.Tensor:
 
 
 def run_router(rw: RouterWeights, spec: RouterSpec, x_TH: torch.Tensor, *,
-               input_ids: torch.Tensor | None = None, layer: int | None = None) -> RoutingResult:
+               input_ids: torch.Tensor | None = None, layer: int | None = None,
+               status_out: torch.Tensor | None = None) -> RoutingResult:
     """Router logits (f32, + router bias) and the family's selection for x_TH [T, H].
 
     input_ids: int, T ids in any shape; needed by hash layers, ignored otherwise.
     On CUDA the selection reports NaN logits / bad hash ids through a device status
-    (`result.check()`), not a host sync.
+    (`result.check()`), not a host sync; status_out (int32 [T], CUDA) receives it where
+    given (the GPU path only: the CPU path raises instead).
     """
     # Detached: routing is an inference-time selection here, and the batch-invariant
     # logits kernel writes through `out=`, which autograd refuses on tensors that
@@ -144,6 +146,7 @@ def run_router(rw: RouterWeights, spec: RouterSpec, x_TH: torch.Tensor, *,
             r_TH, w_EH, spec, router_bias=None if rw.router_bias_E is None else rw.router_bias_E.detach(),
             bias=rw.selection_bias_E, expert_scale=rw.expert_scale_E,
             input_ids=input_ids if spec.hash_routing else None, hash_table=rw.hash_table_VK, layer=layer,
+            status_out=status_out,
         )
         return step.routing
     logits = router_logits(r_TH, rw.weight_EH.detach())
