@@ -6,11 +6,14 @@ decoder layers as --layers asks; the JSON names the depth), loads the directory 
 
     write_s, checkpoint_bytes   writing the checkpoint (random bytes in the format; the weights
                                 are random, the layout, names and scale grids are the release's)
-    load_s, peak_gpu_bytes      from_pretrained wall time; torch.cuda.max_memory_allocated after load
+    load_s, peak_gpu_bytes      from_pretrained wall time (warmup_s of it: moeflow.warmup, the kernels'
+                                compile); torch.cuda.max_memory_allocated after load
     peak_host_rss_bytes_load    the process's peak RSS during the load (Linux VmHWM, reset before it)
     prefill_tok_s               one forward of batch 1, T = --prefill-T (2048), use_cache=False
     decode_tok_s[eager, B]      model.generate (greedy, --new-tokens) at B = 1, 16, 64
-    decode_tok_s[graph, B]      moeflow.hf.StaticDecoder (every decode step one CUDA graph replay)
+    decode_tok_s[graph, B]      moeflow.hf.StaticDecoder (every decode step one CUDA graph replay);
+                                graph_b1_gpu_us_per_token: its kernels' GPU time per token at batch 1
+                                (torch profiler), the MoE step's and the rest's, and the five longest
     roof_step_s                 bytes read per decode step at batch 1 / HBM read roof (measured here),
                                 offloaded rows: + host->device bytes per step (measured from the cache
                                 stats) / PCIe roof (measured here); roof_frac = roof_step_s / step time
@@ -304,9 +307,39 @@ def measure_model(model, row: Row, device, *, prefix: str = "", graph: bool = Tr
             dec.generate(ids, N)  # captures
             t = _timed(lambda dec=dec, ids=ids: dec.generate(ids, N), device)
             row.out[f"{prefix}decode_tok_s_graph_B{B}"] = B * N / t
+            if B == 1:
+                row.out[f"{prefix}graph_b1_gpu_us_per_token"] = _kernel_split(lambda: dec.generate(ids, N), N)
             dec = None  # its static cache and graph go before the next batch size
         except Exception as exc:  # noqa: BLE001
             row.err(f"{prefix}decode graph B={B}", exc)
+
+
+# Kernel names of the MoE step (router, align, expert GEMMs, combine): the rest of a decode step is
+# transformers' attention, norms, embeddings and LM head.
+_MOE_KERNELS = ("moe_", "_route_kernel", "router_", "_gemv", "align")
+
+
+def _kernel_split(fn, tokens: int) -> dict:
+    """GPU kernel time per token of fn() (torch profiler): the MoE kernels', everything else's, and the
+    five longest kernels by name (us per token)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    by_name: dict[str, float] = {}
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0.0)
+        if us and not e.key.startswith(("cuda", "Memcpy", "Memset", "ProfilerStep")):
+            by_name[e.key] = by_name.get(e.key, 0.0) + us / tokens
+    if not by_name:
+        return {"note": "the profiler saw no kernel inside the replays"}
+    moe = sum(v for k, v in by_name.items() if any(m in k for m in _MOE_KERNELS))
+    top = sorted(by_name.items(), key=lambda kv: -kv[1])[:5]
+    return {"moe": round(moe, 2), "other": round(sum(by_name.values()) - moe, 2),
+            "top": {k[:60]: round(v, 2) for k, v in top}}
 
 
 def decode_bytes_b1(model, K: int) -> int:
@@ -382,6 +415,8 @@ def run_row(name: str, layers: int | None, args, device, roofs: dict) -> dict:
         model = moeflow.from_pretrained(directory, device=device, dtype=torch.bfloat16, offload=offload,
                                         progress=not args.smoke, attn_implementation=_attn(name))
         row.out["load_s"] = time.perf_counter() - t0
+        warm = model.moeflow_load.warmup
+        row.out["warmup_s"] = warm.seconds if warm is not None else None  # (inside load_s)
     except Exception as exc:  # noqa: BLE001
         row.err("load", exc)
         return row.out
