@@ -308,7 +308,7 @@ def measure_model(model, row: Row, device, *, prefix: str = "", graph: bool = Tr
             t = _timed(lambda dec=dec, ids=ids: dec.generate(ids, N), device)
             row.out[f"{prefix}decode_tok_s_graph_B{B}"] = B * N / t
             if B == 1:
-                row.out[f"{prefix}graph_b1_gpu_us_per_token"] = _kernel_split(lambda: dec.generate(ids, N), N)
+                row.out[f"{prefix}graph_b1_gpu_us_per_token"] = _kernel_split(lambda dec=dec, ids=ids: dec.generate(ids, N), N)
             dec = None  # its static cache and graph go before the next batch size
         except Exception as exc:  # noqa: BLE001
             row.err(f"{prefix}decode graph B={B}", exc)
