@@ -82,7 +82,7 @@ def test_reduce_overhead_static_generate_gives_the_eager_tokens(family, batch, h
     torch._dynamo.reset()
 
 
-@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4"])
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss", "gemma4", "deepseek_v4"])
 def test_reduce_overhead_forward_from_a_fresh_model(family, hf_quiet):
     """The first call a patched model ever gets is torch.compile's cudagraph warm-up (mode=
     "reduce-overhead"): nothing the step keeps may come from the graph's pool; warm-up, recording
