@@ -392,8 +392,17 @@ class MoELayer(TensorRefs):
         status_out = None
         if self.__dict__.get("_in_compiled_step"):
             kept = self.__dict__.get("_status_rows")
-            if kept is not None and kept.device == x_TH.device and x_TH.shape[0] <= kept.numel():
-                status_out = kept[: x_TH.shape[0]]
+            T = x_TH.shape[0]
+            if kept is not None and kept.device == x_TH.device and T <= kept.numel():
+                status_out = kept[:T]
+                kept_ids = self.__dict__.get("_ids_rows")
+                if self.config.router.hash_routing and isinstance(input_ids, torch.Tensor):
+                    # The status names a bad id from the ids it routed on: route on a copy the layer
+                    # keeps (the op's input_ids may be a CUDA-graph input buffer, reused per replay).
+                    if kept_ids is not None and input_ids.numel() == T:
+                        input_ids = kept_ids[:T].copy_(input_ids.reshape(-1))
+                    else:
+                        status_out = None
         result = run_router(self.router_weights, self.config.router, x_TH, input_ids=input_ids,
                             layer=self.layer_idx, status_out=status_out)
         # The GPU selection reports NaN logits / bad hash ids through a device status,
@@ -534,15 +543,16 @@ class MoELayer(TensorRefs):
         """Allocate now what a step inside torch.compile keeps across calls (moeflow.hf.op).
 
         On CUDA: the routing status rows (int32 [COMPILED_STATUS_ROWS]) the compiled step's router
-        writes and the model's RoutingMonitor reads after the forward, and the GPU router's
-        per-device buffers. Made here, outside any CUDA-graph memory pool: torch.compile's
+        writes and the model's RoutingMonitor reads after the forward, for hash layers the token
+        ids it routes on (int64 [COMPILED_STATUS_ROWS], a bad one is named from them), and the GPU
+        router's per-device buffers. Made here, outside any CUDA-graph memory pool: torch.compile's
         cudagraph trees (mode="reduce-overhead") refuse a tensor of their pool that outlives a
         recorded call without being one of its outputs. patch_model and `.to()` call this.
         """
         w = self.ref("router_weight")
         dev = w.device if w is not None else torch.device("cpu")
         if dev.type != "cuda":
-            self.__dict__["_status_rows"] = None
+            self.__dict__["_status_rows"] = self.__dict__["_ids_rows"] = None
             return
         from .routing.gpu import reserve_device
 
@@ -550,6 +560,9 @@ class MoELayer(TensorRefs):
         kept = self.__dict__.get("_status_rows")
         if kept is None or kept.device != dev:
             self.__dict__["_status_rows"] = torch.zeros(self.COMPILED_STATUS_ROWS, dtype=torch.int32, device=dev)
+            # hash layers: the token ids the compiled step routes on (RoutingStatus names a bad one)
+            self.__dict__["_ids_rows"] = (torch.zeros(self.COMPILED_STATUS_ROWS, dtype=torch.int64, device=dev)
+                                          if self.config.router.hash_routing else None)
 
     def extra_repr(self) -> str:
         c = self.config

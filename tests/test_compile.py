@@ -144,6 +144,28 @@ def test_bad_hash_ids_raise_the_eager_error_from_the_compiled_model():
     torch._dynamo.reset()
 
 
+def test_a_compiled_step_leaves_no_tensor_of_its_own_on_the_layer():
+    """Inside the op a hash layer routes on ids copied into rows the layer keeps (on CUDA, where those
+    rows exist: simulated here with CPU rows), and `last_routing` is None afterwards: a tensor made in
+    a CUDA graph torch.compile records must not outlive the call."""
+    if "deepseek_v4" not in FAMILIES:
+        pytest.skip("this transformers has no DeepSeek-V4")
+    model = tiny_model("deepseek_v4", seed=5)
+    moeflow.patch_model(model, experts="reference")
+    state = model.model.layers[0].mlp.__dict__["_moeflow"]  # layer 0 is the hash layer
+    layer = state.layer
+    assert layer.config.router.hash_routing and layer.__dict__["_status_rows"] is None  # CPU: none kept
+    layer.__dict__["_status_rows"] = torch.zeros(16, dtype=torch.int32)
+    layer.__dict__["_ids_rows"] = torch.zeros(16, dtype=torch.int64)
+    x, ids = torch.randn(6, 32), _ids(6)[0]
+    with torch.no_grad():
+        want = layer(x, input_ids=ids)
+        got = torch.ops.moeflow.moe_block(x, ids, state.op_id)
+    assert torch.equal(got, want)
+    assert torch.equal(layer.__dict__["_ids_rows"][:6], ids)
+    assert layer.last_routing is None
+
+
 def test_offloaded_model_compiles_and_runs_the_slot_cache_inside_the_op():
     from moeflow.offload.config import OffloadConfig
 
