@@ -42,7 +42,7 @@ _GRID = (1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 
 
 @dataclass
 class WarmupReport:
-    """What `warmup` ran: token counts, layers warmed (model paths or indices), layers skipped (why)."""
+    """What `warmup` ran: token counts, layers warmed ("layer <index>"), layers skipped (why)."""
 
     token_counts: tuple[int, ...] = ()
     layers: list[str] = field(default_factory=list)
@@ -76,14 +76,9 @@ def _layers(model) -> list[tuple[str, nn.Module]]:
         return [(f"layer {i}", m) for i, m in enumerate(model)]
     if not isinstance(model, nn.Module):
         raise TypeError(f"model: expected a patched nn.Module, a MoELayer or a list of them, got {type(model).__name__}")
-    from .hf.patched import patched_modules
+    from .hf.patched import moe_layers
 
-    seen, out = set(), []
-    for path, m in patched_modules(model):
-        layer = m.moe_layer
-        if id(layer) not in seen:
-            seen.add(id(layer))
-            out.append((path or "<root>", layer))
+    out = [(f"layer {layer.layer_idx}", layer) for layer in moe_layers(model)]
     if not out:
         raise ValueError(f"model: {type(model).__name__} has no moeflow MoE layer (patch it with moeflow.patch_model)")
     return out

@@ -106,42 +106,43 @@ def test_prefill_lengths_compile_once_after_the_first():
     torch._dynamo.reset()
 
 
-def test_nan_router_logits_raise_the_named_error_from_the_compiled_model():
+def _errors_after(family: str, seed: int, spoil) -> tuple[str, str]:
+    """(eager message, compiled message) of the ValueError a patched tiny model raises after
+    spoil(model, ids) breaks a weight; compiled while every routing was still valid."""
     torch._dynamo.reset()
-    model = tiny_model("qwen3_moe", seed=4)
-    moeflow.patch_model(model, experts="reference")
-    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
-    ids = _ids(6)
-    with torch.no_grad():
-        compiled(ids)  # compiled while every routing is valid
-        model.model.layers[1].mlp.gate.weight[3].fill_(float("nan"))  # every row of layer 1: NaN logits
-        with pytest.raises(ValueError) as eager:
-            model(ids)
-        with pytest.raises(ValueError) as got:
-            compiled(ids)
-    msg = str(got.value)
-    assert "NaN logit in token row 0 of layer 1" in msg, msg
-    assert msg == str(eager.value)
-    torch._dynamo.reset()
-
-
-def test_bad_hash_ids_raise_the_eager_error_from_the_compiled_model():
-    if "deepseek_v4" not in FAMILIES:
-        pytest.skip("this transformers has no DeepSeek-V4")
-    torch._dynamo.reset()
-    model = tiny_model("deepseek_v4", seed=5)
+    model = tiny_model(family, seed=seed)
     moeflow.patch_model(model, experts="reference")
     compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
     ids = _ids(6)
     with torch.no_grad():
         compiled(ids)
-        model.model.layers[0].mlp.gate.tid2eid[int(ids[0, 2])].fill_(99)  # layer 0 is the hash layer
+        spoil(model, ids)
         with pytest.raises(ValueError) as eager:
             model(ids)
         with pytest.raises(ValueError) as got:
             compiled(ids)
-    assert "hash_table: expert id 99" in str(got.value) and str(got.value) == str(eager.value)
     torch._dynamo.reset()
+    return str(eager.value), str(got.value)
+
+
+def test_nan_router_logits_raise_the_named_error_from_the_compiled_model():
+    def spoil(model, ids):
+        model.model.layers[1].mlp.gate.weight[3].fill_(float("nan"))  # every row of layer 1: NaN logits
+
+    eager, msg = _errors_after("qwen3_moe", 4, spoil)
+    assert "NaN logit in token row 0 of layer 1" in msg, msg
+    assert msg == eager
+
+
+def test_bad_hash_ids_raise_the_eager_error_from_the_compiled_model():
+    if "deepseek_v4" not in FAMILIES:
+        pytest.skip("this transformers has no DeepSeek-V4")
+
+    def spoil(model, ids):
+        model.model.layers[0].mlp.gate.tid2eid[int(ids[0, 2])].fill_(99)  # layer 0 is the hash layer
+
+    eager, msg = _errors_after("deepseek_v4", 5, spoil)
+    assert "hash_table: expert id 99" in msg and msg == eager
 
 
 def test_a_compiled_step_leaves_no_tensor_of_its_own_on_the_layer():
