@@ -17,6 +17,7 @@ Legend: T tokens, H hidden, E routed experts, K picks per token.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -126,6 +127,17 @@ def _flat(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1])
 
 
+def _eager(state: BlockState, step: Callable[[], Any], *, poll: bool = True, flush: bool = True) -> Any:
+    """step() outside torch.compile, between the model's routing-monitor poll (first block) and its
+    flush (last block): what the custom op does under compile (moeflow.hf.op)."""
+    if poll:
+        op.poll_routing(state)
+    out = step()
+    if flush:
+        op.flush_routing(state)
+    return out
+
+
 class _TensorBlock(MoEBlock):
     """mixtral, qwen2_moe, qwen3_moe, olmoe, deepseek_v2/v3, glm4_moe, longcat_flash."""
 
@@ -135,7 +147,7 @@ class _TensorBlock(MoEBlock):
             _attr(self, state.fam.hf.router)(_flat(hidden_states))  # its recorder hook captures the logits
         if torch.compiler.is_compiling():
             return op.moe_block(hidden_states, None, state.op_id)
-        return state.layer(hidden_states)
+        return _eager(state, lambda: state.layer(hidden_states))
 
 
 class _DeepseekV4Block(MoEBlock):
@@ -151,7 +163,7 @@ class _DeepseekV4Block(MoEBlock):
         if torch.compiler.is_compiling():
             ids = input_ids if state.layer.config.router.hash_routing else None
             return op.moe_block(hidden_states, ids, state.op_id)
-        return state.layer(hidden_states, input_ids=input_ids)
+        return _eager(state, lambda: state.layer(hidden_states, input_ids=input_ids))
 
 
 class _GptOssBlock(MoEBlock):
@@ -162,7 +174,7 @@ class _GptOssBlock(MoEBlock):
         if torch.compiler.is_compiling():
             out_TH, weights_TK = op.moe_block_scores(_flat(hidden_states), state.op_id)
             return out_TH.view(hidden_states.shape), weights_TK
-        out = state.layer(hidden_states)
+        out = _eager(state, lambda: state.layer(hidden_states))
         # HF returns the softmax over the K picked logits, [T, K], in the activations' dtype.
         return out, state.layer.last_routing.weights_TK.to(hidden_states.dtype)
 
@@ -176,7 +188,7 @@ class _Llama4Block(MoEBlock):
         router_logits = F.linear(x_TH, self.router.weight) if not _router_logits_requested() else self.router(x_TH)[1]
         if torch.compiler.is_compiling():
             return op.moe_block(x_TH, None, state.op_id), router_logits
-        return state.layer(x_TH), router_logits
+        return _eager(state, lambda: state.layer(x_TH)), router_logits
 
 
 class _Gemma4Router(MoEBlock):
@@ -190,7 +202,7 @@ class _Gemma4Router(MoEBlock):
             routing = RoutingResult(ids_TK, weights_TK)
         else:
             state.stash = x_TH if state.expert_parallel else None
-            routing = state.layer.route(x_TH)
+            routing = _eager(state, lambda: state.layer.route(x_TH), flush=False)
             state.layer.last_routing = routing
         probs = None
         if _router_logits_requested():
@@ -212,8 +224,9 @@ class _Gemma4Experts(MoEBlock):
             residual, state.stash = state.stash, None
             if residual is None:
                 raise ValueError(f"{state.path}: gemma4 experts called without its patched router first")
-            return state.layer(hidden_states, router_input=residual)
-        return state.layer.experts_forward(hidden_states, RoutingResult(top_k_index, top_k_weights))
+            return _eager(state, lambda: state.layer(hidden_states, router_input=residual), poll=False)
+        return _eager(state, lambda: state.layer.experts_forward(hidden_states, RoutingResult(top_k_index, top_k_weights)),
+                      poll=False)
 
 
 _KIND = {"tensor": _TensorBlock, "out_scores": _GptOssBlock, "out_logits": _Llama4Block}

@@ -47,10 +47,9 @@ dispatcher: collectives sized on the host) raises `CompiledStepError` naming the
 reason, never replays stale state.
 
 Routing status: on CPU a NaN logit or a bad hash id raises the named ValueError (layer, row)
-from inside the op. On CUDA the status goes to the model's RoutingMonitor as in eager; the
-model's forward hooks that poll and flush it are not traced (they would break the graph), so
-the ops do it: the first patched block's op checks the previous forward's flag and the last
-one flushes this forward's. The router writes a compiled step's status into rows the layer
+from inside the op. On CUDA the status goes to the model's RoutingMonitor as in eager, and as
+in eager the first patched block checks the previous forward's flag and the last one flushes
+this forward's (`poll_routing`, `flush_routing`). The router writes a compiled step's status into rows the layer
 keeps (`MoELayer.prepare_compiled`, made at patch time outside any CUDA-graph pool), so the
 monitor may hold them past the call. Inside a recorded CUDA graph nothing is flushed:
 `moeflow.hf.check_routing(model)` checks the latest replay's statuses (as after StaticDecoder
@@ -138,19 +137,29 @@ def _enter(state: Any) -> None:
         raise CompiledStepError(f"{state.path} (layer {state.layer.layer_idx}): gemma4 with expert parallelism does "
                                 f"not run under torch.compile; run it eagerly")
     _check_capturable(state)
-    if state.first_in_model:
-        monitor = state.layer.routing_monitor
-        if monitor is not None:
-            # The previous forward's flag (a no-op under capture). Waited for, not only polled:
-            # this forward's router rewrites the status rows that flag would name.
-            monitor.poll(wait=True)
+    # The previous forward's flag (a no-op under capture). Waited for, not only polled: this
+    # forward's router rewrites the status rows that flag would name.
+    poll_routing(state, wait=True)
+
+
+def poll_routing(state: Any, *, wait: bool = False) -> None:
+    """The first patched block of a model: check the previous forwards' routing flags (the model's
+    RoutingMonitor; wait=False reads only flags that have landed, no sync)."""
+    monitor = state.layer.routing_monitor if state.first_in_model else None
+    if monitor is not None:
+        monitor.poll(wait=wait)
+
+
+def flush_routing(state: Any) -> None:
+    """The last patched block of a model: enqueue this forward's one routing flag (no sync;
+    nothing under CUDA-graph capture)."""
+    monitor = state.layer.routing_monitor if state.last_in_model else None
+    if monitor is not None:
+        monitor.end_forward()
 
 
 def _leave(state: Any) -> None:
-    if state.last_in_model:
-        monitor = state.layer.routing_monitor
-        if monitor is not None:
-            monitor.end_forward()  # this forward's one flag (no sync; nothing under capture)
+    flush_routing(state)
 
 
 def _run(state: Any, step):

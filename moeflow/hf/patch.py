@@ -377,20 +377,16 @@ def patch_model(
         # storage shared with the model is released last, after every check passed.
         attach_offload(layers, offload)
 
-    # One routing status flag per model forward instead of a host sync per layer.
+    # One routing status flag per model forward instead of a host sync per layer. The first and
+    # last patched blocks poll and flush it (moeflow.hf.blocks, moeflow.hf.op), not forward hooks on
+    # the model: torch.compile of the model's __call__ (what transformers' generate compiles) makes
+    # each hook a dynamo frame of its own, two more guard checks per decode step.
     monitor = RoutingMonitor()
     for layer in layers:
         layer.check_routing = "deferred"
         layer.routing_monitor = monitor
         layer.prepare_compiled()  # what a step under torch.compile keeps (moeflow.hf.op)
-    # Under torch.compile the hooks are traced as no-ops (their locks and events would break the
-    # graph); the first and last blocks' custom ops poll and flush instead (moeflow.hf.op).
-    model.__dict__["_moeflow_routing"] = (
-        monitor,
-        model.register_forward_pre_hook(lambda mod, args: None if torch.compiler.is_compiling() else monitor.poll()),
-        model.register_forward_hook(
-            lambda mod, args, out: None if torch.compiler.is_compiling() else monitor.end_forward()),
-    )
+    model.__dict__["_moeflow_routing"] = monitor
 
     rows = []
     for path, block, fam, layer_idx, layer in plans:
@@ -447,9 +443,6 @@ def unpatch_model(model: nn.Module) -> int:
         if state.hook_handle is not None and id(state.hook_handle) not in handles:
             handles.add(id(state.hook_handle))
             state.hook_handle.remove()
-    entry = model.__dict__.pop("_moeflow_routing", None)
-    if entry is not None:
-        entry[1].remove()
-        entry[2].remove()
+    model.__dict__.pop("_moeflow_routing", None)
     return len(mods)
 

@@ -37,7 +37,7 @@ def check_routing(model: nn.Module, *, wait: bool = True) -> None:
     (moeflow.routing.monitor); this forces the check now (wait=True: one sync), e.g. after
     the last step of a generation or after CUDA-graph replays.
     """
-    entry = model.__dict__.get("_moeflow_routing")
-    if entry is None:
+    monitor = model.__dict__.get("_moeflow_routing")
+    if monitor is None:
         raise ValueError(f"check_routing: {type(model).__name__} is not patched by moeflow.patch_model")
-    entry[0].check(wait=wait)
+    monitor.check(wait=wait)

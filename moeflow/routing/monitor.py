@@ -8,10 +8,10 @@ checks it after each eager step (one sync per layer: `check_routing="eager"`). A
 model does better (`check_routing="deferred"`): each layer hands its status to the model's
 monitor, and
 
-    end_forward()   after the model's forward: ONE small device op (concatenate the L
+    end_forward()   after the last MoE block of a forward: ONE small device op (concatenate the L
                     status vectors, max) and a non-blocking copy of that flag into pinned
                     host memory, with an event. No host sync.
-    poll()          before the next forward (or from `check()`): when the event has
+    poll()          at the first MoE block of the next forward (or from `check()`): when the event has
                     completed (the model synchronised meanwhile, e.g. generate reading its
                     next token) the flag is read from host memory at no cost; a set flag
                     re-checks the layers' statuses (a sync, on the error path only) and
