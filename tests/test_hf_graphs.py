@@ -80,3 +80,13 @@ def test_sliding_window_caches_are_refused_for_graphs(hf_quiet):
     with pytest.raises(ValueError, match=r"sliding-window layers \['StaticSlidingWindowLayer'\]"):
         StaticDecoder(model, batch_size=1, max_len=8)
     StaticDecoder(model, batch_size=1, max_len=8, graph=False)  # eager is fine
+
+
+def test_offloaded_model_with_host_refills_is_refused_for_graphs(hf_quiet):
+    """A replay skips the host refills of OffloadConfig(sync_free=False): refused by name, before any capture."""
+    model = tiny_model("mixtral")
+    model.config._attn_implementation = "sdpa"
+    moeflow.patch_model(model, offload=moeflow.OffloadConfig(gpu_slots=4, device="cpu"))
+    with pytest.raises(ValueError, match=r"MoE layer 0 is offloaded with OffloadConfig\(sync_free=False\)"):
+        StaticDecoder(model, batch_size=1, max_len=8)
+    StaticDecoder(model, batch_size=1, max_len=8, graph=False)  # eager is fine

@@ -110,6 +110,20 @@ def _sync_free_runtimes(model: nn.Module) -> list:
     return list(seen.values())
 
 
+def _refuse_host_refills(model: nn.Module) -> None:
+    """ValueError naming the first MoE layer whose offloaded experts are refilled by host code inside
+    its step (OffloadConfig(sync_free=False)): a replay would skip the refill and reuse the slots the
+    capture saw (the capture itself fails: its host-to-device copies are not from pinned memory)."""
+    from ..layer import MoELayer
+
+    for m in model.modules():
+        rt = getattr(m, "offload", None) if isinstance(m, MoELayer) else None
+        if rt is not None and getattr(rt, "graph", None) is None:
+            raise ValueError(f"StaticDecoder.graph=True: MoE layer {m.layer_idx} is offloaded with "
+                             f"OffloadConfig(sync_free=False), whose step refills its expert slots from the host; "
+                             f"expected OffloadConfig(sync_free=True) (refilled between replays) or graph=False")
+
+
 def cache_kwarg(model: nn.Module) -> str:
     """The name of model.forward's KV-cache argument: `cache` where forward names it (transformers 5.24:
     `past_key_values` is deprecated there, to be removed in 5.40), else `past_key_values` (5.17 and earlier)."""
@@ -146,6 +160,8 @@ class StaticDecoder:
             raise ValueError(f"StaticDecoder.graph=True: the static cache has sliding-window layers {sliding} "
                              f"(model.config.sliding_window={getattr(model.config, 'sliding_window', None)!r}); "
                              f"expected full-attention layers only (or graph=False)")
+        if graph:
+            _refuse_host_refills(model)
         if graph and device.type != "cuda":
             raise ValueError(f"StaticDecoder.graph=True: the model is on {device}; CUDA graphs need a CUDA model "
                              f"(or graph=False)")
