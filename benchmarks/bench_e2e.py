@@ -78,7 +78,8 @@ Metrics (one JSON row per shape x variant x metric x parameter; `status` says ok
                                   Compare with decode_tok_s (eager) and graph_decode_tok_s (StaticDecoder).
     fresh_prefill_tok_s           (--fresh-prefill only) prefill as users send it: --fresh-count prompts of
                                   batch 1, each a length T in --fresh-T (512..8192) seen once (seeded,
-                                  distinct, none equal to a warm-up length), one forward each (use_cache=False,
+                                  distinct, none equal to a warm-up length nor to another variant's: the
+                                  attention's per-length plans stay cold for each), one forward each (use_cache=False,
                                   logits_to_keep=1); value = sum T / sum of the forwards' times (each timed
                                   alone, CUDA-synchronised); detail lists the per-length ms. A moeflow
                                   variant first runs moeflow.warmup up to the largest length (what
@@ -778,12 +779,18 @@ class Shape:
         args = self.run.args
         lo, hi = args.fresh_T_range
         warm = (lo - 1, hi + 1) if lo > 1 else (hi + 1, hi + 2)
+        # Lengths no variant has met: the model's attention is not ours, and sdpa's cuDNN kernels build
+        # a plan per new length (about 55-60 ms a prompt at 2 layers, H200), which a variant timed on
+        # lengths an earlier variant met would skip. Every variant draws from one seeded list of
+        # distinct lengths, sorted and dealt round-robin, so each gets its own of similar sizes.
+        n = len(args.variants_list)
         g = torch.Generator().manual_seed(args.seed + 4242)
-        Ts: list[int] = []
-        while len(Ts) < args.fresh_count:  # distinct lengths, the same list for every variant
+        pool: list[int] = []
+        while len(pool) < args.fresh_count * n:
             T = int(torch.randint(lo, hi + 1, (1,), generator=g))
-            if T not in Ts and T not in warm:
-                Ts.append(T)
+            if T not in pool and T not in warm:
+                pool.append(T)
+        Ts = sorted(pool)[args.variants_list.index(variant)::n]
         model = self.model
         warm_s = None
         if variant not in ("hf", NO_MOE) and self.run.device.type == "cuda":
@@ -1242,8 +1249,9 @@ def parse_args(argv=None):
     args.fresh_T_range = tuple(_ints(args.fresh_T or ("16,128" if tiny else "512,8192")))
     if len(args.fresh_T_range) != 2 or not 1 <= args.fresh_T_range[0] < args.fresh_T_range[1]:
         ap.error(f"--fresh-T: {args.fresh_T!r}, expected lo,hi with 1 <= lo < hi")
-    if args.fresh_count < 1 or args.fresh_count > args.fresh_T_range[1] - args.fresh_T_range[0] - 1:
-        ap.error(f"--fresh-count: {args.fresh_count}, expected 1..{args.fresh_T_range[1] - args.fresh_T_range[0] - 1}")
+    most = (args.fresh_T_range[1] - args.fresh_T_range[0] - 1) // len(args.variants_list)
+    if args.fresh_count < 1 or args.fresh_count > most:
+        ap.error(f"--fresh-count: {args.fresh_count}, expected 1..{most} (each variant its own lengths)")
     if args.new_tokens < 2:
         ap.error("--new-tokens: at least 2 (decode = t(N) - t(1))")
     return args

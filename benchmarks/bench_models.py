@@ -292,8 +292,11 @@ def measure_model(model, row: Row, device, *, prefix: str = "", graph: bool = Tr
         try:
             ids = _ids(B, P, V, device, seed=B)
             kw = dict(do_sample=False, pad_token_id=0)
-            for _ in range(2):  # the prompt's and the step's T: first sighting, then layer-graph capture
-                model.generate(ids, max_new_tokens=2, min_new_tokens=2, **kw)
+            # One untimed generate of the timed length: every KV length the timed call meets is then
+            # seen (sdpa's cuDNN attention builds a plan per new length: a first 32-token generate
+            # of the 8-layer qwen3 row took 2.96 s against 0.29 s once warm, H100), and so is the
+            # step's T (its layer graph is captured at the second step).
+            model.generate(ids, max_new_tokens=N, min_new_tokens=N, **kw)
             t = _timed(lambda ids=ids, kw=kw: model.generate(ids, max_new_tokens=N, min_new_tokens=N, **kw), device)
             row.out[f"{prefix}decode_tok_s_eager_B{B}"] = B * N / t
         except Exception as exc:  # noqa: BLE001
