@@ -98,30 +98,27 @@ def _counters(cache) -> list[torch.Tensor]:
     return out
 
 
-def _sync_free_runtimes(model: nn.Module) -> list:
-    """The offload runtimes of the model's MoE layers that serve decode sync-free (refill between replays)."""
+def _offload_runtimes(model: nn.Module, *, graph: bool) -> list:
+    """The offload runtimes of the model's MoE layers that serve decode sync-free (refilled before
+    each replay). graph=True: ValueError naming the first layer whose experts are refilled by host
+    code inside its step (OffloadConfig(sync_free=False)): a replay would skip the refill and reuse
+    the slots the capture saw (the capture itself fails: its host copies are not from pinned memory)."""
     from ..layer import MoELayer
 
     seen: dict[int, object] = {}
     for m in model.modules():
         rt = getattr(m, "offload", None) if isinstance(m, MoELayer) else None
-        if rt is not None and getattr(rt, "graph", None) is not None:
-            seen.setdefault(id(rt), rt)
+        if rt is None:
+            continue
+        if getattr(rt, "graph", None) is None:
+            if graph:
+                raise ValueError(f"StaticDecoder.graph=True: MoE layer {m.layer_idx} is offloaded with "
+                                 f"OffloadConfig(sync_free=False), whose step refills its expert slots from the "
+                                 f"host; expected OffloadConfig(sync_free=True) (refilled between replays) or "
+                                 f"graph=False")
+            continue
+        seen.setdefault(id(rt), rt)
     return list(seen.values())
-
-
-def _refuse_host_refills(model: nn.Module) -> None:
-    """ValueError naming the first MoE layer whose offloaded experts are refilled by host code inside
-    its step (OffloadConfig(sync_free=False)): a replay would skip the refill and reuse the slots the
-    capture saw (the capture itself fails: its host-to-device copies are not from pinned memory)."""
-    from ..layer import MoELayer
-
-    for m in model.modules():
-        rt = getattr(m, "offload", None) if isinstance(m, MoELayer) else None
-        if rt is not None and getattr(rt, "graph", None) is None:
-            raise ValueError(f"StaticDecoder.graph=True: MoE layer {m.layer_idx} is offloaded with "
-                             f"OffloadConfig(sync_free=False), whose step refills its expert slots from the host; "
-                             f"expected OffloadConfig(sync_free=True) (refilled between replays) or graph=False")
 
 
 def cache_kwarg(model: nn.Module) -> str:
@@ -160,8 +157,7 @@ class StaticDecoder:
             raise ValueError(f"StaticDecoder.graph=True: the static cache has sliding-window layers {sliding} "
                              f"(model.config.sliding_window={getattr(model.config, 'sliding_window', None)!r}); "
                              f"expected full-attention layers only (or graph=False)")
-        if graph:
-            _refuse_host_refills(model)
+        runtimes = _offload_runtimes(model, graph=graph)
         if graph and device.type != "cuda":
             raise ValueError(f"StaticDecoder.graph=True: the model is on {device}; CUDA graphs need a CUDA model "
                              f"(or graph=False)")
@@ -177,7 +173,7 @@ class StaticDecoder:
         self.mask_BM = torch.zeros(batch_size, max_len, dtype=torch.long, device=device)
         self._graph: torch.cuda.CUDAGraph | None = None
         self._logits_BV: torch.Tensor | None = None
-        self._runtimes = _sync_free_runtimes(model)
+        self._runtimes = runtimes
         self._cache_kw = cache_kwarg(model)
 
     @property

@@ -158,10 +158,6 @@ def flush_routing(state: Any) -> None:
         monitor.end_forward()
 
 
-def _leave(state: Any) -> None:
-    flush_routing(state)
-
-
 def _run(state: Any, step):
     """step(layer) inside the op: the status rows the layer keeps (prepare_compiled), and nothing
     of the step's own tensors left on the layer afterwards (`last_routing` is None): a tensor made
@@ -174,7 +170,7 @@ def _run(state: Any, step):
     finally:
         layer.__dict__["_in_compiled_step"] = False
         layer.__dict__["last_routing"] = None
-    _leave(state)
+    flush_routing(state)
     return result
 
 
