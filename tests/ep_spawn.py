@@ -47,6 +47,12 @@ def _worker(rank: int, W: int, port: int, module: str, q) -> None:
                 results[name] = traceback.format_exc()
     except Exception:
         results["_setup"] = traceback.format_exc()
+    report_and_exit(q, rank, results)
+
+
+def report_and_exit(q, rank: int, results: dict[str, str]) -> None:
+    """A spawned rank's last act: its results through the queue, then os._exit (a timed-out gloo op
+    may still be pending, so no destroy_process_group)."""
     q.put((rank, results))
     q.close()
     q.join_thread()

@@ -31,7 +31,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ep_spawn import free_port, gather_ranks
+from ep_spawn import free_port, gather_ranks, report_and_exit
 from torch import nn
 
 from moeflow.config import ExpertWeights, MoEConfig
@@ -712,11 +712,7 @@ def _worker(rank, W, port, q, done, names, ckpt_dir):
                 results["hung_rank_timeout"] = traceback.format_exc()
     except Exception:
         results["_setup"] = traceback.format_exc()
-    q.put((rank, results))
-    q.close()
-    q.join_thread()
-    # A timed-out gloo op may still be pending: leave without destroy_process_group.
-    os._exit(0)
+    report_and_exit(q, rank, results)
 
 
 _RESULTS: dict[int, dict[int, dict[str, str]]] = {}
