@@ -31,8 +31,9 @@ def _tiny(family: str, dtype=torch.float32, **kw):
     return model
 
 
-@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma4", "deepseek_v4"])
-def test_fullgraph_on_cuda(family, hf_quiet):
+def _patched(family: str, experts: str):
+    """A fresh tiny CUDA model of `family`, patched with `experts`, after a dynamo reset; skips a
+    family this transformers does not have."""
     from hf_configs import available_families
 
     import moeflow
@@ -41,7 +42,13 @@ def test_fullgraph_on_cuda(family, hf_quiet):
         pytest.skip(f"this transformers has no {family}")
     torch._dynamo.reset()
     model = _tiny(family)
-    moeflow.patch_model(model, experts="auto")
+    moeflow.patch_model(model, experts=experts)
+    return model
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe", "deepseek_v3", "gpt_oss", "gemma4", "deepseek_v4"])
+def test_fullgraph_on_cuda(family, hf_quiet):
+    model = _patched(family, "auto")
     ids = torch.randint(3, 97, (2, 9), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     with torch.no_grad():
         explained = torch._dynamo.explain(model)(ids)
@@ -60,12 +67,9 @@ def test_reduce_overhead_static_generate_gives_the_eager_tokens(family, batch, h
     fullgraph) on a patched model: the eager patched model's greedy tokens."""
     from transformers import CompileConfig
 
-    import moeflow
     from moeflow import hf as mhf
 
-    torch._dynamo.reset()
-    model = _tiny(family)
-    moeflow.patch_model(model, experts="triton")
+    model = _patched(family, "triton")
     P, N = 6, 12
     prompt = torch.randint(3, 97, (batch, P), device="cuda", generator=torch.Generator("cuda").manual_seed(2))
     kw = dict(max_new_tokens=N, min_new_tokens=N, do_sample=False, pad_token_id=0, cache_implementation="static",
@@ -87,16 +91,9 @@ def test_reduce_overhead_forward_from_a_fresh_model(family, hf_quiet):
     """The first call a patched model ever gets is torch.compile's cudagraph warm-up (mode=
     "reduce-overhead"): nothing the step keeps may come from the graph's pool; warm-up, recording
     and replays give the eager logits."""
-    from hf_configs import available_families
-
-    import moeflow
     from moeflow import hf as mhf
 
-    if family not in available_families():
-        pytest.skip(f"this transformers has no {family}")
-    torch._dynamo.reset()
-    model = _tiny(family)
-    moeflow.patch_model(model, experts="triton")
+    model = _patched(family, "triton")
     ids = torch.randint(3, 97, (2, 7), device="cuda", generator=torch.Generator("cuda").manual_seed(4))
     compiled = torch.compile(model, fullgraph=True, mode="reduce-overhead")
     with torch.no_grad():
