@@ -462,6 +462,7 @@ def from_pretrained(
             for pname in [n for n, p in ex.named_parameters(recurse=False) if p.device.type == "meta"]:
                 delattr(ex, pname)  # the experts live in the MoELayer (their stored format)
             given[i] = w
+            del lw, w  # (offload: this layer's unpinned read goes before the next layer's is made)
             index.close()
             bar.update(sum(index.info(k).nbytes for k in _plan_keys(index, plans[i])), f"layer {i}")
     finally:

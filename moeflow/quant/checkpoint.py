@@ -224,18 +224,30 @@ def read_quantized_experts(index: CheckpointIndex, spec: QuantSpec, by_role: dic
                     got[part] = _read_scale(index, spec, key, part, device=device).reshape(())
             return got
 
-        per = [{role: proj(role, e) for role in ("gate", "up", "down")} for e in ids]
-        # gate_up[e] = [gate; up] rows; the scale grids stack the same way (gate's grid, then up's).
-        gu = torch.stack([torch.cat((p["gate"]["w"], p["up"]["w"])) for p in per])
-        dn = torch.stack([p["down"]["w"] for p in per])
-        kw["gate_up_scale"] = torch.stack([torch.cat((p["gate"]["scale"], p["up"]["scale"])) for p in per])
-        kw["down_scale"] = torch.stack([p["down"]["scale"] for p in per])
-        if spec.format == "nvfp4":
-            kw["gate_up_scale_2"] = torch.stack([torch.stack((p["gate"]["scale_2"], p["up"]["scale_2"])) for p in per])
-            kw["down_scale_2"] = torch.stack([p["down"]["scale_2"] for p in per])
-            kw["gate_up_input_scale"] = torch.stack(
-                [torch.stack((p["gate"]["input_scale"], p["up"]["input_scale"])) for p in per])
-            kw["down_input_scale"] = torch.stack([p["down"]["input_scale"] for p in per])
+        # Each expert's reads go into the stacked fields as they arrive: one expert in flight, not
+        # the layer three times over (its reads, their [gate; up] concatenations, the stack), which
+        # set the host's peak when a whole model's experts are loaded for offload.
+        out: dict[str, torch.Tensor] = {}
+
+        def put(field: str, n: int, t: torch.Tensor) -> None:
+            if field not in out:
+                out[field] = torch.empty((len(ids), *t.shape), dtype=t.dtype, device=t.device)
+            out[field][n].copy_(t)
+
+        for n, e in enumerate(ids):
+            p = {role: proj(role, e) for role in ("gate", "up", "down")}
+            # gate_up[e] = [gate; up] rows; the scale grids stack the same way (gate's grid, then up's).
+            put("gate_up", n, torch.cat((p["gate"]["w"], p["up"]["w"])))
+            put("down", n, p["down"]["w"])
+            put("gate_up_scale", n, torch.cat((p["gate"]["scale"], p["up"]["scale"])))
+            put("down_scale", n, p["down"]["scale"])
+            if spec.format == "nvfp4":
+                put("gate_up_scale_2", n, torch.stack((p["gate"]["scale_2"], p["up"]["scale_2"])))
+                put("down_scale_2", n, p["down"]["scale_2"])
+                put("gate_up_input_scale", n, torch.stack((p["gate"]["input_scale"], p["up"]["input_scale"])))
+                put("down_input_scale", n, p["down"]["input_scale"])
+        gu, dn = out.pop("gate_up"), out.pop("down")
+        kw.update(out)
     w = ExpertWeights(gu, dn, biases[0], biases[1], layout=layout, interleaved=interleaved, quant=spec, **kw)
     return w if dtype is None else w.dequantize(dtype)
 
